@@ -1,0 +1,103 @@
+"""What the router knows of a worker, and what the index answers for a prompt.
+
+Both are plain msgspec structs so that the same objects travel in
+heartbeats (msgpack in Redis), feed the policies, and drive the simulator.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+from indexer.media import MEDIA, Medium
+from indexer.profile import TimingProfile
+
+__all__ = ["PrefixMatch", "Role", "WorkerView"]
+
+
+class Role(StrEnum):
+    """What a worker does: prefill only, decode only, or both (the default)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    """A worker as a policy sees it.
+
+    Workers publish it in their heartbeat; the gateway overlays its own
+    accounting (``in_flight`` and ``queued_prefill_tokens`` of requests it
+    has routed but the worker has not reported yet).
+
+    Attributes:
+        host: Stable worker name; the ``host`` of its events and index entries.
+        url: Base URL of the worker's HTTP API.
+        model: Served model name (also the root of its block keys).
+        block_size: Tokens per KV block; must match the router's.
+        role: prefill, decode or both.
+        epoch: The worker's current epoch (random per start).
+        running: Requests being computed (prefill or decode).
+        waiting: Requests queued, not started.
+        in_flight: Requests accepted and not finished (running + waiting + routed).
+        queued_prefill_tokens: Prompt tokens still to prefill across its queue.
+        kv_capacity_blocks: Blocks per medium.
+        kv_used_blocks: Blocks holding data per medium (in use or cached).
+        load_bandwidth: Measured bytes/s moving KV from each medium into HBM.
+        profile: The worker's timing model.
+        ts: When the view was taken (seconds, the publisher's clock).
+    """
+
+    host: str
+    url: str = ""
+    model: str
+    block_size: int
+    role: Role = Role.BOTH
+    epoch: int = 0
+    running: int = 0
+    waiting: int = 0
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    kv_capacity_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
+    kv_used_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
+    load_bandwidth: dict[Medium, float] = msgspec.field(default_factory=dict)
+    profile: TimingProfile | None = None
+    ts: float = 0.0
+
+    def kv_usage(self, medium: Medium = Medium.HBM) -> float:
+        """Fraction of ``medium`` holding data, 0.0 when the worker has none of it."""
+        cap = self.kv_capacity_blocks.get(medium, 0)
+        return self.kv_used_blocks.get(medium, 0) / cap if cap > 0 else 0.0
+
+    def bandwidth(self, medium: Medium) -> float | None:
+        """Measured load bandwidth of ``medium`` (bytes/s), else the profile's, else None."""
+        bw = self.load_bandwidth.get(medium)
+        if bw is None and self.profile is not None:
+            bw = self.profile.load_bandwidth.get(medium)
+        return bw
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """How much of a prompt's key chain one host holds.
+
+    ``blocks`` is the length of the longest matched prefix (in blocks);
+    ``per_medium[r]`` counts those blocks on the medium of rank ``r``
+    (hbm, dram, ssd), so ``sum(per_medium) == blocks``.
+    """
+
+    host: str
+    blocks: int
+    per_medium: tuple[int, int, int] = (0, 0, 0)
+
+    def on(self, medium: Medium) -> int:
+        """Matched blocks on ``medium``."""
+        return self.per_medium[medium.rank]
+
+    @classmethod
+    def from_media(cls, host: str, media: list[Medium]) -> PrefixMatch:
+        """Build from the medium of each matched block, in prefix order."""
+        counts = [0] * len(MEDIA)
+        for m in media:
+            counts[m.rank] += 1
+        return cls(host, len(media), (counts[0], counts[1], counts[2]))

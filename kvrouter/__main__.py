@@ -1,0 +1,5 @@
+"""``python -m kvrouter`` runs the CLI."""
+
+from kvrouter.cli import main
+
+main()

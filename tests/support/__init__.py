@@ -1,0 +1,1 @@
+"""Test support: real servers (Redis, HTTP) started on loopback for the tests."""
