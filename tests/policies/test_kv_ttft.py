@@ -1,0 +1,198 @@
+"""kv_ttft: the predicted-TTFT default policy, with the numbers worked out by hand."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from indexer.media import Medium
+from policies.base import NoWorkerError
+from policies.kv_ttft import KvTtftPolicy
+from tests.policies.support import (
+    BLOCK,
+    PROFILE,
+    chunked_seconds,
+    match,
+    queue_wait,
+    request,
+    tokens,
+    view,
+)
+
+KV = PROFILE.kv_bytes_per_token
+
+
+def dram_load(blocks: int) -> float:
+    return blocks * BLOCK * KV / PROFILE.load_bandwidth[Medium.DRAM]
+
+
+@pytest.mark.parametrize("queued", [20_000, 200])
+def test_dram_hit_on_idle_worker_against_hbm_hit_behind_a_queue(queued: int) -> None:
+    prompt = tokens(4096, seed=1)
+    blocks = len(prompt) // BLOCK
+    # Both hold the whole prompt, so each computes only the last token.
+    last_token = chunked_seconds(PROFILE, 1, cached=len(prompt) - 1)
+    busy_hbm = queue_wait(PROFILE, queued) + last_token
+    idle_dram = dram_load(blocks) + last_token
+    expected = "busy-hbm" if busy_hbm < idle_dram else "idle-dram"
+
+    decision = KvTtftPolicy().choose(
+        request(prompt),
+        [view("busy-hbm", queued=queued), view("idle-dram")],
+        {"busy-hbm": match("busy-hbm", hbm=blocks), "idle-dram": match("idle-dram", dram=blocks)},
+    )
+
+    assert decision.worker == expected
+    # 20K queued tokens (~0.46 s) outweigh a 0.5 GiB DRAM load (~11 ms); 200 do not (~9 ms).
+    assert expected == ("idle-dram" if queued == 20_000 else "busy-hbm")
+    assert decision.predicted_ttft_s == pytest.approx(min(busy_hbm, idle_dram))
+    assert decision.scores["idle-dram"]["load_s"] == pytest.approx(dram_load(blocks))
+    assert decision.scores["busy-hbm"]["wait_s"] == pytest.approx(queue_wait(PROFILE, queued))
+
+
+@pytest.mark.parametrize("queued", [4_000, 20_000])
+def test_hbm_hit_wins_over_cold_idle_worker_only_while_it_saves_more_than_it_waits(
+    queued: int,
+) -> None:
+    prompt = tokens(8192, seed=2)
+    blocks = len(prompt) // BLOCK
+    warm = queue_wait(PROFILE, queued) + chunked_seconds(PROFILE, 1, cached=len(prompt) - 1)
+    cold = chunked_seconds(PROFILE, len(prompt))
+    expected = "warm" if warm < cold else "cold"
+
+    decision = KvTtftPolicy().choose(
+        request(prompt),
+        [view("warm", queued=queued), view("cold")],
+        {"warm": match("warm", blocks)},
+    )
+
+    assert decision.worker == expected
+    assert expected == ("warm" if queued == 4_000 else "cold")
+    assert decision.scores["cold"]["prefill_s"] == pytest.approx(cold)
+    assert decision.matched_blocks == (blocks if expected == "warm" else 0)
+
+
+def test_a_running_decode_batch_slows_both_the_queue_and_the_prefill() -> None:
+    prompt = tokens(3000, seed=3)
+    context = 1024
+    policy = KvTtftPolicy(mean_decode_context=context)
+
+    decision = policy.choose(
+        request(prompt), [view("decoding", running=64, queued=5000), view("quiet", queued=5000)], {}
+    )
+
+    assert decision.worker == "quiet"
+    p0, p1, p2, _ = PROFILE.prefill
+    d0, d1, d2 = PROFILE.decode
+    decode = d1 * 64 + d2 * 64 * context
+    per_step = max(p0, d0) + decode
+    # 8192 - 64 tokens of prefill fit beside the 64 decodes: 5000 queued take one step.
+    wait = per_step + p1 * 5000 + p2 * 5000**2
+    assert decision.scores["decoding"]["wait_s"] == pytest.approx(wait)
+    assert decision.scores["decoding"]["prefill_s"] == pytest.approx(
+        per_step + p1 * 3000 + p2 * 3000**2
+    )
+    assert decision.scores["quiet"]["prefill_s"] == pytest.approx(chunked_seconds(PROFILE, 3000))
+
+
+def test_second_request_of_a_burst_sees_the_first_ones_prefix_until_the_ttl() -> None:
+    system = tokens(1024, seed=4)
+    first = system + tokens(100, seed=5)
+    second = system + tokens(100, seed=6)
+    policy = KvTtftPolicy(speculative_ttl_s=2.0)
+    workers = [view("w")]
+
+    policy.choose(request(first, now=10.0), workers, {})
+    soon = policy.choose(request(second, now=10.5), workers, {})
+    late = policy.choose(request(second, now=12.6), workers, {})
+
+    assert soon.scores["w"]["cached_tokens"] == len(system)
+    assert soon.scores["w"]["speculative_tokens"] == len(first)
+    assert soon.matched_blocks == len(system) // BLOCK
+    # 2.1 s after the second request was routed both entries have expired.
+    assert late.scores["w"]["cached_tokens"] == 0
+    assert late.scores["w"]["speculative_tokens"] == 0
+
+
+def test_speculative_load_stops_counting_once_a_newer_view_shows_it() -> None:
+    prompt = tokens(2000, seed=7)
+    policy = KvTtftPolicy(catchup_s=0.05)
+    policy.choose(request(prompt, now=5.0), [view("w", ts=4.9)], {})
+
+    stale = policy.choose(request(tokens(50, seed=8), now=5.01), [view("w", ts=4.9)], {})
+    fresh = policy.choose(request(tokens(50, seed=9), now=5.2), [view("w", ts=5.1)], {})
+
+    assert stale.scores["w"]["speculative_tokens"] == 2000
+    assert fresh.scores["w"]["speculative_tokens"] == 0
+
+
+def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
+    system = tokens(4096, seed=10)
+    burst = [request(system + tokens(64, seed=100 + i), now=i * 0.01) for i in range(16)]
+    workers = [view(h) for h in ("w0", "w1", "w2", "w3")]
+
+    policy = KvTtftPolicy()
+    spread = Counter(policy.choose(r, workers, {}).worker for r in burst)
+    # Without speculative state every request sees the same stale, idle picture.
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9)
+    herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
+
+    assert len(spread) == 4
+    assert max(spread.values()) <= 8
+    assert herd == Counter({"w0": 16})
+
+
+def test_ranked_lists_the_choice_then_the_others_by_predicted_ttft() -> None:
+    workers = [view("slow", queued=30_000), view("fast"), view("mid", queued=9_000)]
+
+    decision = KvTtftPolicy().choose(request(tokens(512, seed=11)), workers, {})
+
+    assert decision.ranked() == ["fast", "mid", "slow"]
+    totals = [decision.scores[h]["total"] for h in decision.ranked()]
+    assert totals == sorted(totals)
+    assert decision.predicted_ttft_s == decision.scores["fast"]["total"]
+
+
+def test_equal_predictions_go_to_fewer_in_flight_then_host_name() -> None:
+    prompt = request(tokens(256, seed=12))
+
+    by_load = KvTtftPolicy().choose(prompt, [view("a", in_flight=3), view("b", in_flight=1)], {})
+    by_name = KvTtftPolicy().choose(prompt, [view("b"), view("a")], {})
+
+    assert by_load.worker == "b"
+    assert by_name.worker == "a"
+
+
+def test_measured_bandwidth_overrides_the_profile() -> None:
+    prompt = tokens(1024, seed=13)
+    blocks = len(prompt) // BLOCK
+    slow_link = 1e9
+
+    decision = KvTtftPolicy().choose(
+        request(prompt),
+        [view("w", bandwidth={Medium.SSD: slow_link})],
+        {"w": match("w", ssd=blocks)},
+    )
+
+    assert decision.scores["w"]["load_s"] == pytest.approx(blocks * BLOCK * KV / slow_link)
+
+
+def test_no_workers_and_missing_profiles_are_refused() -> None:
+    policy = KvTtftPolicy()
+    with pytest.raises(NoWorkerError):
+        policy.choose(request(tokens(32, seed=14)), [], {})
+    with pytest.raises(ValueError, match="no timing profile"):
+        policy.choose(request(tokens(32, seed=14)), [view("bare", profile=None)], {})
+
+    fallback = KvTtftPolicy(default_profile=PROFILE)
+    assert fallback.choose(
+        request(tokens(32, seed=14)), [view("bare", profile=None)], {}
+    ).worker == ("bare")
+
+
+def test_options_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="ttl"):
+        KvTtftPolicy(speculative_ttl_s=0)
+    with pytest.raises(ValueError, match="mean_decode_context"):
+        KvTtftPolicy(mean_decode_context=-1)
