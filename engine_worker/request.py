@@ -1,0 +1,140 @@
+"""A request inside the worker: its tokens, sampling parameters and KV bookkeeping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from indexer.keys import block_keys
+from indexer.media import MEDIA, Medium
+
+if TYPE_CHECKING:
+    from engine_worker.block_pool import Block
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
+
+
+class RequestStatus(StrEnum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped (OpenAI's ``finish_reason`` plus ``abort``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """OpenAI sampling parameters, validated.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether sampling is argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    The block keys of the request's full blocks are computed incrementally
+    from ``root`` (``indexer.keys.root_parent`` of the model, LoRA and cache
+    salt) as tokens become known, so the prompt is hashed once and each
+    generated block once.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    root: int
+    block_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[Block] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_blocks: int = 0
+    keys: list[int] = field(default_factory=list)
+    #: Prompt tokens served from the prefix cache at first admission, per medium rank.
+    cached_tokens: list[int] = field(default_factory=lambda: [0] * len(MEDIA))
+    admitted: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start..stop-1`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def ensure_keys(self, num_tokens: int) -> list[int]:
+        """Keys of every full block within the first ``num_tokens`` tokens (extends the chain)."""
+        want = num_tokens // self.block_size
+        have = len(self.keys)
+        if want > have:
+            parent = self.keys[-1] if self.keys else self.root
+            tokens = self.token_ids(have * self.block_size, want * self.block_size)
+            self.keys.extend(block_keys(tokens, self.block_size, parent))
+        return self.keys
+
+    def parent_of(self, block_index: int) -> int:
+        """Parent key of block ``block_index`` (the root for block 0)."""
+        return self.keys[block_index - 1] if block_index > 0 else self.root
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Known tokens not yet in the KV cache."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def cached_by_medium(self) -> dict[Medium, int]:
+        """Prompt tokens served from cache per medium (usage reporting)."""
+        return {m: self.cached_tokens[m.rank] for m in MEDIA}
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request is done (any reason)."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,353 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+The scheduler is a pure core: :meth:`Scheduler.schedule` turns the current
+state into a :class:`SchedulerPlan` (which tokens of which requests to
+compute this step), a runner executes the plan, and
+:meth:`Scheduler.update` folds the sampled tokens back in. No clock, no
+I/O, no tensors: the same code drives the live workers (``torch`` and
+``sim`` runners) and the offline simulator.
+
+One step, in the spirit of vLLM v1::
+
+    budget = max_num_batched_tokens
+    1. running requests, oldest first: each gets its remaining tokens
+       (1 when decoding, a chunk when a long prompt is still prefilling);
+       when HBM runs out, the newest running request is preempted (its
+       blocks freed, recomputed later) until the older one fits.
+    2. waiting requests, first come first served, if nothing was preempted:
+       look up the longest cached prefix (HBM, DRAM or SSD), take it
+       (DRAM/SSD blocks are promoted into HBM), allocate blocks for the
+       first chunk of the rest, move to running. Stop at the first that
+       does not fit: no overtaking.
+
+NOTE: at least one prompt token is always computed, even on a full hit, so
+that the step produces logits for the first output token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine_worker.block_pool import Block, BlockPool
+from engine_worker.request import FinishReason, Request, RequestStatus
+from indexer.media import Medium
+
+__all__ = [
+    "RequestTooLargeError",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerPlan",
+    "StepOutput",
+]
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit (longer than the context or than all of HBM)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    Attributes:
+        max_num_seqs: Requests computed in one step at most.
+        max_num_batched_tokens: Tokens computed in one step at most (the chunk budget).
+        max_model_len: Longest sequence (prompt + output) a request may reach.
+        enable_prefix_caching: Reuse cached blocks across requests.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step: tokens ``num_cached .. num_cached + num_new - 1``."""
+
+    request: Request
+    num_cached: int
+    num_new: int
+    block_ids: list[int]
+    want_logits: bool
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether this is a one-token decode step (not prefill)."""
+        return self.num_new == 1 and self.num_cached >= self.request.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerPlan:
+    """What one step computes.
+
+    Attributes:
+        seqs: Scheduled requests, running ones first.
+        preempted: Requests preempted this step (their KV must be recomputed).
+        loaded_blocks: Blocks promoted into HBM this step, per medium (the runner's load cost).
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    loaded_blocks: dict[Medium, int] = field(default_factory=dict)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed by this step."""
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is nothing to compute."""
+        return not self.seqs
+
+    def prefill_chunks(self) -> list[tuple[int, int]]:
+        """(new, cached) tokens of every prefill chunk (the timing model's input)."""
+        return [(s.num_new, s.num_cached) for s in self.seqs if not s.is_decode]
+
+    def decode_batch(self) -> tuple[int, int]:
+        """(sequences decoding, KV tokens they attend to)."""
+        dec = [s for s in self.seqs if s.is_decode]
+        return len(dec), sum(s.num_cached + 1 for s in dec)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A token produced for a request by one step (``token`` None if it only finished)."""
+
+    request: Request
+    token: int | None
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockPool`."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        hbm_tokens = pool.capacity().hbm * block_size
+        if hbm_tokens < config.max_model_len:
+            raise ValueError(
+                f"HBM holds {hbm_tokens} tokens, less than max_model_len={config.max_model_len}: "
+                "a single request could never fit; lower max_model_len or add HBM blocks"
+            )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queue management -------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise RequestTooLargeError if ``request`` can never run (reads config only)."""
+        if request.block_size != self.block_size:
+            raise ValueError("request block size differs from the scheduler's")
+        if request.num_prompt_tokens < 1:
+            raise RequestTooLargeError("the prompt is empty")
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the context length "
+                f"{self.config.max_model_len}"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; raises RequestTooLargeError if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Finish a request now (client gone, stop string seen); its blocks are freed."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running queue."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to start (or preempted)."""
+        return len(self.waiting)
+
+    def queued_prefill_tokens(self) -> int:
+        """Tokens still to prefill over all requests (the router's queue-wait signal)."""
+        return sum(r.remaining_prefill for r in self.waiting) + sum(
+            r.remaining_prefill for r in self.running if r.remaining_prefill > 1
+        )
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def schedule(self) -> SchedulerPlan:
+        """Plan one step (see the module docstring). Mutates queues and block tables."""
+        plan = SchedulerPlan()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.remaining_prefill, budget)
+            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_table)
+            while need > 0 and not self.pool.can_allocate(need):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            if need > 0:
+                req.block_table.extend(self.pool.allocate(need))
+            plan.seqs.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: SchedulerPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            matched = self._match(req)
+            cached_tokens = len(matched) * self.block_size
+            num_new = min(req.num_tokens - cached_tokens, budget)
+            new_blocks = self._blocks_for(cached_tokens + num_new) - len(matched)
+            # Matched HBM blocks with no reference leave the free queue; lower-tier ones need
+            # an HBM block each: both count against what is allocatable.
+            taken = sum(1 for b in matched if b.medium is not Medium.HBM or b.ref_cnt == 0)
+            if not self.pool.can_allocate(taken + new_blocks):
+                break
+            self.waiting.popleft()
+            for b in matched:
+                if b.medium is not Medium.HBM:
+                    plan.loaded_blocks[b.medium] = plan.loaded_blocks.get(b.medium, 0) + 1
+            if not req.admitted:
+                req.admitted = True
+                for b in matched:
+                    req.cached_tokens[b.medium.rank] += self.block_size
+            req.block_table = [*self.pool.acquire(matched), *self.pool.allocate(new_blocks)]
+            req.num_computed_tokens = cached_tokens
+            req.num_cached_blocks = len(matched)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.seqs.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+    def _match(self, req: Request) -> list[Block]:
+        if not self.config.enable_prefix_caching:
+            return []
+        keys = req.ensure_keys(req.num_tokens)
+        matched = self.pool.match_prefix(keys)
+        if len(matched) * self.block_size >= req.num_tokens:
+            matched = matched[:-1]
+        return matched
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+        done = req.num_computed_tokens + num_new >= req.num_tokens
+        return ScheduledSeq(
+            request=req,
+            num_cached=req.num_computed_tokens,
+            num_new=num_new,
+            block_ids=[b.block_id for b in req.block_table],
+            want_logits=done,
+        )
+
+    def update(self, plan: SchedulerPlan, sampled: Mapping[str, int]) -> list[StepOutput]:
+        """Fold a step's results in: advance computed tokens, cache full blocks, append tokens.
+
+        Args:
+            plan: The plan the runner executed.
+            sampled: The sampled token of every scheduled request with ``want_logits``.
+        """
+        outputs: list[StepOutput] = []
+        for s in plan.seqs:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = s.num_cached + s.num_new
+            self._cache_full_blocks(req)
+            if not s.want_logits:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            outputs.append(StepOutput(req, token, reason is not None, reason))
+        return outputs
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_cached_blocks:
+            return
+        keys = req.ensure_keys(full * self.block_size)
+        for i in range(req.num_cached_blocks, full):
+            self.pool.cache_block(req.block_table[i], keys[i], req.parent_of(i))
+        req.num_cached_blocks = full
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.pool.free(list(reversed(req.block_table)))
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,270 @@
+"""The scheduler's step: continuous batching, chunked prefill, prefix reuse, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker.block_pool import BlockPool, TierCapacity
+from engine_worker.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine_worker.runners.sim import SimRunner
+from engine_worker.scheduler import RequestTooLargeError, Scheduler, SchedulerConfig
+from indexer.keys import block_keys, root_parent
+from indexer.media import Medium
+from indexer.profile import TimingProfile
+from tests.engine_worker.event_replay import EventReplay
+
+B = 4
+ROOT = root_parent("m")
+PROFILE = TimingProfile(
+    name="t",
+    prefill=(1e-3, 1e-5, 0.0, 0.0),
+    decode=(1e-3, 1e-5, 0.0),
+    kv_bytes_per_token=1024,
+    load_bandwidth={Medium.DRAM: 1e9, Medium.SSD: 1e8},
+)
+
+
+def make(
+    hbm: int = 64, dram: int = 0, ssd: int = 0, **cfg: int
+) -> tuple[Scheduler, SimRunner, BlockPool]:
+    pool = BlockPool(TierCapacity(hbm=hbm, dram=dram, ssd=ssd))
+    config = SchedulerConfig(
+        max_num_seqs=cfg.get("max_num_seqs", 8),
+        max_num_batched_tokens=cfg.get("budget", 64),
+        max_model_len=cfg.get("max_model_len", 64),
+    )
+    return Scheduler(config, pool, B), SimRunner(PROFILE, B, vocab_size=1000), pool
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 4, **kw: object) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), ROOT, B)  # type: ignore[arg-type]
+
+
+def run_to_end(s: Scheduler, r: SimRunner, max_steps: int = 1000) -> list[list[tuple[str, int]]]:
+    """Step until idle; returns per step the (request id, new tokens) scheduled."""
+    trace: list[list[tuple[str, int]]] = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            return trace
+        plan = s.schedule()
+        trace.append([(x.request.request_id, x.num_new) for x in plan.seqs])
+        s.update(plan, r.execute(plan).sampled)
+    raise AssertionError("scheduler did not drain")
+
+
+def in_use(pool: BlockPool) -> int:
+    return pool.capacity().hbm - pool.num_free()
+
+
+def test_a_request_prefills_decodes_finishes_and_returns_its_blocks() -> None:
+    s, r, pool = make()
+    a = req("a", list(range(10)), max_tokens=5)
+    s.add(a)
+    trace = run_to_end(s, r)
+    assert trace[0] == [("a", 10)]
+    assert trace[1:] == [[("a", 1)]] * 4
+    assert a.status is RequestStatus.FINISHED
+    assert a.finish_reason is FinishReason.LENGTH
+    assert len(a.output_token_ids) == 5
+    assert in_use(pool) == 0
+    # Full blocks of prompt + output stay cached for the next request.
+    keys = block_keys(a.prompt_token_ids + a.output_token_ids, B, ROOT)
+    assert len(pool.match_prefix(keys)) == len(keys) == 3
+
+
+def test_long_prompts_are_chunked_and_only_the_last_chunk_samples() -> None:
+    s, r, _ = make(budget=8, max_model_len=64)
+    a = req("a", list(range(21)), max_tokens=1)
+    s.add(a)
+    plans = []
+    while s.has_work():
+        plan = s.schedule()
+        plans.append([(x.num_cached, x.num_new, x.want_logits) for x in plan.seqs])
+        s.update(plan, r.execute(plan).sampled)
+    assert plans == [[(0, 8, False)], [(8, 8, False)], [(16, 5, True)]]
+    assert len(a.output_token_ids) == 1
+
+
+def test_decodes_and_prefill_chunks_share_a_step_within_the_budget() -> None:
+    s, r, _ = make(budget=8)
+    s.add(req("a", list(range(4)), max_tokens=10))
+    first = s.schedule()
+    s.update(first, r.execute(first).sampled)
+    s.add(req("b", list(range(100, 120)), max_tokens=2))
+    plan = s.schedule()
+    assert [(x.request.request_id, x.num_new) for x in plan.seqs] == [("a", 1), ("b", 7)]
+    assert plan.num_batched_tokens == 8
+
+
+def test_a_shared_prefix_is_reused_and_reported_per_medium() -> None:
+    s, r, _ = make()
+    prefix = list(range(12))
+    s.add(req("a", [*prefix, 50, 51], max_tokens=1))
+    run_to_end(s, r)
+    b = req("b", [*prefix, 60, 61, 62], max_tokens=1)
+    s.add(b)
+    plan = s.schedule()
+    assert [(x.num_cached, x.num_new) for x in plan.seqs] == [(12, 3)]
+    assert b.cached_by_medium() == {Medium.HBM: 12, Medium.DRAM: 0, Medium.SSD: 0}
+
+
+def test_a_full_hit_still_computes_the_last_block() -> None:
+    s, r, _ = make()
+    prompt = list(range(16))
+    s.add(req("a", prompt, max_tokens=1))
+    run_to_end(s, r)
+    s.add(req("b", prompt, max_tokens=1))
+    plan = s.schedule()
+    assert [(x.num_cached, x.num_new, x.want_logits) for x in plan.seqs] == [(12, 4, True)]
+
+
+def test_prefix_caching_can_be_turned_off() -> None:
+    pool = BlockPool(TierCapacity(hbm=64))
+    s = Scheduler(SchedulerConfig(max_model_len=64, enable_prefix_caching=False), pool, B)
+    r = SimRunner(PROFILE, B, vocab_size=1000)
+    s.add(req("a", list(range(12)), max_tokens=1))
+    run_to_end(s, r)
+    s.add(req("b", list(range(12)), max_tokens=1))
+    assert [x.num_cached for x in s.schedule().seqs] == [0]
+    assert pool.take_events() == []
+
+
+def test_demoted_prefix_is_promoted_from_dram_and_its_load_is_planned() -> None:
+    s, r, pool = make(hbm=16, dram=32, max_model_len=32)
+    a = req("a", list(range(24)), max_tokens=1)
+    s.add(a)
+    run_to_end(s, r)
+    # Other traffic pushes a's cached blocks out of HBM into DRAM.
+    for i in range(3):
+        s.add(req(f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 28)), max_tokens=1))
+        run_to_end(s, r)
+    keys = block_keys(a.prompt_token_ids, B, ROOT)
+    assert {b.medium for b in pool.match_prefix(keys)} == {Medium.DRAM}
+    b = req("b", [*range(24), 7, 7], max_tokens=1)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.loaded_blocks == {Medium.DRAM: 6}
+    assert b.cached_by_medium()[Medium.DRAM] == 24
+    assert all(blk.medium is Medium.HBM for blk in b.block_table)
+    s.update(plan, r.execute(plan).sampled)
+    assert {blk.medium for blk in pool.match_prefix(keys)} == {Medium.HBM}
+
+
+def test_preemption_by_recompute_when_hbm_runs_out_and_everyone_finishes() -> None:
+    # 8 HBM blocks = 32 tokens; two requests that each grow to 7 blocks cannot both fit.
+    s, r, pool = make(hbm=8, max_model_len=32)
+    a = req("a", list(range(8)), max_tokens=20)
+    b = req("b", list(range(100, 108)), max_tokens=20)
+    s.add(a)
+    s.add(b)
+    preempted = []
+    while s.has_work():
+        plan = s.schedule()
+        preempted += [p.request_id for p in plan.preempted]
+        s.update(plan, r.execute(plan).sampled)
+    assert preempted, "the workload must have forced a preemption"
+    assert "b" in preempted  # the newest request yields first
+    assert len(a.output_token_ids) == 20
+    assert len(b.output_token_ids) == 20
+    assert b.num_preemptions >= 1
+    assert in_use(pool) == 0
+
+
+def test_preempted_output_is_kept_and_recomputed() -> None:
+    s, r, _ = make(hbm=8, max_model_len=32)
+    a = req("a", list(range(8)), max_tokens=20)
+    b = req("b", list(range(100, 108)), max_tokens=20)
+    s.add(a)
+    s.add(b)
+    alone_s, alone_r, _ = make(hbm=8, max_model_len=32)
+    b_alone = req("b", list(range(100, 108)), max_tokens=20)
+    alone_s.add(b_alone)
+    run_to_end(alone_s, alone_r)
+    run_to_end(s, r)
+    # Placeholder tokens depend on (request, position) only, so recompute changes nothing.
+    assert b.output_token_ids == b_alone.output_token_ids
+
+
+def test_max_num_seqs_caps_the_batch_and_waiting_requests_never_overtake() -> None:
+    s, r, _ = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(req(f"r{i}", list(range(i * 10, i * 10 + 5)), max_tokens=3))
+    plan = s.schedule()
+    assert [x.request.request_id for x in plan.seqs] == ["r0", "r1"]
+    assert s.num_waiting == 2
+    trace = run_to_end(s, r)
+    first_seen: dict[str, int] = {}
+    for step, seqs in enumerate(trace):
+        for rid, _ in seqs:
+            first_seen.setdefault(rid, step)
+    assert first_seen["r2"] <= first_seen["r3"]
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests() -> None:
+    s, r, pool = make(max_num_seqs=1)
+    s.add(req("a", list(range(9)), max_tokens=10))
+    s.add(req("b", list(range(50, 59)), max_tokens=10))
+    plan = s.schedule()
+    s.update(plan, r.execute(plan).sampled)
+    assert in_use(pool) > 0
+    aborted = s.abort("a")
+    assert aborted is not None
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert in_use(pool) == 0
+    assert s.abort("b") is not None
+    assert s.abort("nope") is None
+    assert not s.has_work()
+
+
+def test_stop_tokens_and_eos_finish_with_stop() -> None:
+    s, _, _ = make()
+    eos = Request("b", list(range(5)), SamplingParams(max_tokens=50), ROOT, B, frozenset({999}))
+    s.add(eos)
+    out = s.update(s.schedule(), {"b": 999})
+    assert out[0].finished
+    assert eos.finish_reason is FinishReason.STOP
+    ignoring = Request(
+        "c", list(range(5)), SamplingParams(max_tokens=50, ignore_eos=True), ROOT, B,
+        frozenset({999}),
+    )  # fmt: skip
+    s.add(ignoring)
+    assert not s.update(s.schedule(), {"c": 999})[0].finished
+    stop = req("d", list(range(5)), max_tokens=50, stop_token_ids=(7,))
+    s.add(stop)
+    plan = s.schedule()
+    outs = s.update(plan, {"c": 1, "d": 7})
+    assert [o.finish_reason for o in outs if o.request is stop] == [FinishReason.STOP]
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    s, _, _ = make(max_model_len=32)
+    with pytest.raises(RequestTooLargeError, match="context length"):
+        s.add(req("a", list(range(30)), max_tokens=5))
+    with pytest.raises(RequestTooLargeError, match="empty"):
+        s.add(req("b", [], max_tokens=5))
+    s.add(req("c", [1], max_tokens=1))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add(req("c", [1], max_tokens=1))
+    with pytest.raises(ValueError, match="max_model_len"):
+        Scheduler(SchedulerConfig(max_model_len=1000), BlockPool(TierCapacity(hbm=4)), B)
+
+
+def test_events_of_a_mixed_workload_replay_to_the_pool_content() -> None:
+    s, r, pool = make(hbm=12, dram=8, ssd=8, max_model_len=40, max_num_seqs=3)
+    replay = EventReplay()
+    shared = list(range(16))
+    for i in range(12):
+        prompt = (
+            [*shared, *range(100 * i, 100 * i + 4 + i)] if i % 2 else list(range(7 * i, 7 * i + 9))
+        )
+        s.add(req(f"r{i}", prompt, max_tokens=3 + i % 4))
+        for _ in range(3):
+            if s.has_work():
+                plan = s.schedule()
+                s.update(plan, r.execute(plan).sampled)
+                replay.apply(pool.take_events())
+                assert replay.matches(pool.snapshot())
+    run_to_end(s, r)
+    replay.apply(pool.take_events())
+    assert replay.matches(pool.snapshot())
+    assert in_use(pool) == 0
