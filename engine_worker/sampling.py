@@ -1,0 +1,70 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+A request with a ``seed`` owns a ``torch.Generator`` seeded once, so its
+output is reproducible whatever else shares the batch; requests without a
+seed share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_worker.request import SamplingParams
+
+__all__ = ["Sampler"]
+
+
+class Sampler:
+    """Samples one token per row of logits."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's generator."""
+        self._seeded.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self._seeded.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self._seeded[request_id] = gen
+        return gen
+
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[str]
+    ) -> list[int]:
+        """One token per row of ``logits`` ([n, vocab], float32)."""
+        if logits.shape[0] != len(params):
+            raise ValueError("one SamplingParams per row of logits")
+        greedy = logits.argmax(dim=-1)
+        out: list[int] = greedy.tolist()
+        for i, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
+            if p.greedy:
+                continue
+            out[i] = self._sample_row(logits[i], p, self._generator(rid, p))
+        return out
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        scores = row.float() / p.temperature
+        if p.top_k > 0 and p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            drop = probs.cumsum(dim=-1) - probs >= p.top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
