@@ -1,0 +1,199 @@
+"""Where KV bytes live: one HBM tensor, one DRAM tensor and an SSD slot file.
+
+Each medium's storage is allocated once and addressed by slot id::
+
+    hbm  : tensor [capacity.hbm,  *layout.block_shape] on ``device``  (the KV cache itself)
+    dram : tensor [capacity.dram, *layout.block_shape] on ``dram_device``, pinned for CUDA
+    ssd  : file   capacity.ssd slots of layout.block_bytes bytes (see ``ssd_tier``)
+
+A block's bytes for all layers are contiguous, so moving a block between
+media is exactly one copy (one ``copy_``, one ``pwrite`` or one ``preadv``).
+
+Tiers are *exclusive*: a key lives on exactly one medium at a time. A
+block demoted to DRAM leaves HBM, a block promoted to HBM leaves DRAM. The
+alternative (inclusive, each lower tier a superset) would waste the
+smaller tiers' capacity on copies of what HBM already holds, and would
+need the index to track every copy; with exclusive tiers each key has one
+(host, medium) entry and "how much of this prefix sits where" is a simple
+count. The cost -- a promoted block must be written down again if it is
+evicted later -- is one copy, which is paid only for blocks still worth
+keeping.
+
+Copies are synchronous (``non_blocking=False``): the pool reuses a slot
+right after moving its bytes, so an asynchronous copy would race with the
+next write into that slot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from engine_worker.block_pool import PoolError, TierCapacity
+from engine_worker.kv_layout import KVLayout
+from engine_worker.ssd_tier import SSDEntry, SSDTier
+from indexer.media import Medium
+
+__all__ = ["TierError", "TierStorage"]
+
+
+class TierError(PoolError):
+    """Bad use of the storage: slot out of range, wrong tensor shape or dtype, missing SSD path."""
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, zero-copy and writable."""
+    return t.view(-1).view(torch.uint8).numpy().data
+
+
+class TierStorage:
+    """The tensors and slot file behind a :class:`~engine_worker.block_pool.BlockPool`.
+
+    Args:
+        layout: KV block geometry; its dtype is the tensors' dtype.
+        capacity: Blocks per medium.
+        device: Device of the HBM tensor (``"cuda:0"`` on a GPU worker, CPU in tests).
+        dram_device: Device of the DRAM tensor (host memory).
+        ssd_path: Directory of the SSD tier; required when ``capacity.ssd > 0``.
+            An existing one is reopened and its journal replayed
+            (:meth:`restored_ssd`).
+
+    Raises:
+        TierError: ``capacity.ssd > 0`` without ``ssd_path``.
+        ManifestError: The SSD directory is corrupt, from another layout, or in use.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity: TierCapacity,
+        *,
+        device: str | torch.device = "cpu",
+        dram_device: str | torch.device = "cpu",
+        ssd_path: Path | None = None,
+    ) -> None:
+        if capacity.ssd > 0 and ssd_path is None:
+            raise TierError("an SSD tier (capacity.ssd > 0) needs ssd_path")
+        self.layout = layout
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)
+        shape = layout.block_shape
+        pin = self.device.type == "cuda" and torch.device(dram_device).type == "cpu"
+        self.hbm = torch.zeros((capacity.hbm, *shape), dtype=self.dtype, device=self.device)
+        self.dram = torch.empty(
+            (capacity.dram, *shape), dtype=self.dtype, device=dram_device, pin_memory=pin
+        )
+        self._staging = torch.empty(layout.block_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._ssd = SSDTier(ssd_path, layout, capacity.ssd) if ssd_path and capacity.ssd else None
+
+    # ---------------------------------------------------------------- block I/O
+
+    def copy_block(self, src: Medium, src_id: int, dst: Medium, dst_id: int) -> None:
+        """Copy one block's bytes (all layers) from a slot of ``src`` to a slot of ``dst``."""
+        self._check(src, src_id)
+        self._check(dst, dst_id)
+        if src is not Medium.SSD and dst is not Medium.SSD:
+            self._tensor(dst)[dst_id].copy_(self._tensor(src)[src_id])
+        elif dst is not Medium.SSD:
+            self._read_ssd(src_id, self._tensor(dst)[dst_id])
+        elif src is not Medium.SSD:
+            self._write_ssd(dst_id, self._tensor(src)[src_id])
+        else:
+            ssd = self._ssd_tier()
+            ssd.read_into(src_id, _as_bytes(self._staging))
+            ssd.write_from(dst_id, _as_bytes(self._staging))
+
+    def read_block(self, medium: Medium, block_id: int) -> torch.Tensor:
+        """A CPU copy of one block, shaped ``layout.block_shape``."""
+        self._check(medium, block_id)
+        if medium is Medium.SSD:
+            out = torch.empty(self.layout.block_shape, dtype=self.dtype)
+            self._read_ssd(block_id, out)
+            return out
+        return self._tensor(medium)[block_id].to("cpu", copy=True)
+
+    def write_block(self, medium: Medium, block_id: int, block: torch.Tensor) -> None:
+        """Overwrite one block with ``block`` (shape ``layout.block_shape``, the layout's dtype)."""
+        self._check(medium, block_id)
+        if tuple(block.shape) != self.layout.block_shape or block.dtype != self.dtype:
+            raise TierError(
+                f"block must be {self.layout.block_shape} {self.dtype}, "
+                f"got {tuple(block.shape)} {block.dtype}"
+            )
+        if medium is Medium.SSD:
+            self._write_ssd(block_id, block)
+        else:
+            self._tensor(medium)[block_id].copy_(block)
+
+    # ------------------------------------------------------- SSD journal hooks
+
+    def restored_ssd(self) -> list[SSDEntry]:
+        """Slots the SSD tier holds now, oldest first (after a restart: what its journal held).
+
+        A new :class:`~engine_worker.block_pool.BlockPool` caches these on SSD;
+        give each storage to one pool only.
+        """
+        return self._ssd.entries if self._ssd is not None else []
+
+    def record_stored(self, medium: Medium, block_id: int, key: int, parent: int | None) -> None:
+        """Note that a slot now holds ``key`` (persisted for SSD, nothing for the others)."""
+        if medium is Medium.SSD:
+            self._ssd_tier().record_stored(block_id, key, parent)
+
+    def record_freed(self, medium: Medium, block_id: int) -> None:
+        """Note that a slot holds nothing (persisted for SSD, nothing for the others)."""
+        if medium is Medium.SSD:
+            self._ssd_tier().record_freed(block_id)
+
+    def record_cleared(self) -> None:
+        """Note that every slot of every medium is empty."""
+        if self._ssd is not None:
+            self._ssd.record_cleared()
+
+    def close(self) -> None:
+        """Release the SSD files and lock (the tensors are freed with the object)."""
+        if self._ssd is not None:
+            self._ssd.close()
+
+    def __enter__(self) -> TierStorage:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _tensor(self, medium: Medium) -> torch.Tensor:
+        return self.hbm if medium is Medium.HBM else self.dram
+
+    def _ssd_tier(self) -> SSDTier:
+        if self._ssd is None:
+            raise TierError("this storage has no SSD tier")
+        return self._ssd
+
+    def _check(self, medium: Medium, block_id: int) -> None:
+        n = self.capacity.of(medium)
+        if not 0 <= block_id < n:
+            raise TierError(f"{medium} block id {block_id} out of range [0, {n})")
+
+    def _read_ssd(self, slot: int, dst: torch.Tensor) -> None:
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            self._ssd_tier().read_into(slot, _as_bytes(dst))
+        else:
+            self._ssd_tier().read_into(slot, _as_bytes(self._staging))
+            dst.copy_(self._staging.view(self.dtype).view(self.layout.block_shape))
+
+    def _write_ssd(self, slot: int, src: torch.Tensor) -> None:
+        if src.device.type == "cpu" and src.is_contiguous():
+            self._ssd_tier().write_from(slot, _as_bytes(src))
+        else:
+            self._staging.view(self.dtype).view(self.layout.block_shape).copy_(src)
+            self._ssd_tier().write_from(slot, _as_bytes(self._staging))
