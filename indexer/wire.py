@@ -27,10 +27,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EVENT_FIELD", "Keyspace"]
+import msgspec
+
+from indexer.views import WorkerView
+
+__all__ = ["CONTROL_FIELD", "EVENT_FIELD", "OP_SNAPSHOT", "Keyspace", "decode_view", "encode_view"]
 
 #: The stream entry field that holds a msgpack-encoded stream message.
 EVENT_FIELD = b"d"
+#: The control stream entry field naming the operation asked of the worker.
+CONTROL_FIELD = b"op"
+#: Control operation: publish a full snapshot in the event stream.
+OP_SNAPSHOT = b"snapshot"
+
+_view_encoder = msgspec.msgpack.Encoder()
+_view_decoder = msgspec.msgpack.Decoder(WorkerView)
+
+
+def encode_view(view: WorkerView) -> bytes:
+    """Heartbeat payload of a worker view."""
+    return _view_encoder.encode(view)
+
+
+def decode_view(data: bytes) -> WorkerView:
+    """Inverse of :func:`encode_view`; raises ValueError on a bad payload."""
+    try:
+        return _view_decoder.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"invalid heartbeat payload: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
