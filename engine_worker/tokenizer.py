@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GGUF_PRE_TOKENIZERS",
@@ -332,9 +337,56 @@ def _gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _cache_dir() -> Path:
+    root = os.environ.get("KVROUTER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvrouter"
+    )
+    return Path(root) / "tokenizers"
+
+
+def _from_gguf_disk_cached(path: str) -> Tokenizer:
+    """:meth:`Tokenizer.from_gguf`, memoized on disk as tokenizer JSON.
+
+    Rebuilding from GGUF metadata takes seconds (reading the file's fields);
+    every worker and router start would pay it. The cache entry is keyed by
+    the file's path, size and mtime, written atomically, and ignored if it
+    cannot be read back.
+    """
+    st = os.stat(path)
+    digest = xxhash.xxh3_64_hexdigest(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    entry = _cache_dir() / f"{digest}.json"
+    try:
+        data = json.loads(entry.read_text())
+        return Tokenizer(
+            Backend.from_str(data["backend"]),
+            bos_token=data["bos_token"],
+            eos_token=data["eos_token"],
+            eos_token_ids=data["eos_token_ids"],
+            chat_template=data["chat_template"],
+        )
+    except Exception:  # missing, stale or unreadable entry (tokenizers raises bare Exception)
+        log.debug("tokenizer cache miss for %s", path)
+    tok = Tokenizer.from_gguf(path)
+    payload = {
+        "backend": tok.backend.to_str(),
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "eos_token_ids": list(tok.eos_token_ids),
+        "chat_template": tok.chat_template,
+    }
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only home: no cache, still correct
+    return tok
+
+
 @functools.lru_cache(maxsize=16)
 def _load_cached(kind: str, path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_hf_dir(path)
+    return _from_gguf_disk_cached(path) if kind == "gguf" else Tokenizer.from_hf_dir(path)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

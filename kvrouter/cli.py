@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import typer
 
+from kvrouter.commands import worker as worker_command
+
 app = typer.Typer(
     name="kvrouter",
     help="KV-cache-aware router for LLM inference clusters.",
@@ -29,6 +31,9 @@ def version() -> None:
     from kvrouter import __version__
 
     typer.echo(__version__)
+
+
+worker_command.register(app)
 
 
 def main() -> None:

@@ -1,0 +1,272 @@
+"""The engine loop: one thread owns the scheduler, the pool and the runner.
+
+Everything that touches the scheduler or the block pool runs on that
+thread, so neither needs locks. Other threads (the asyncio server) talk to
+it through a command queue:
+
+    server coroutine --submit/abort/call--> command queue --> engine thread
+    engine thread --tokens--> per-request asyncio.Queue (call_soon_threadsafe)
+    engine thread --pool events, snapshots--> EventSink (the publisher), in order
+
+Between two steps the thread applies commands (new requests, aborts,
+snapshot requests), then plans a step, has the runner execute it, folds
+the result back, delivers tokens, and hands the pool's events to the sink.
+With the ``sim`` runner it also waits out each step's modeled duration
+(times ``time_scale``), so a simulated worker behaves like real hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from engine_worker.request import FinishReason, Request
+from engine_worker.runners.base import Runner
+from engine_worker.scheduler import Scheduler, SchedulerPlan, StepOutput
+from indexer.events import Event
+from indexer.media import Medium
+
+__all__ = ["EngineLoop", "EventSink", "StepRecord", "TokenEvent"]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class EventSink(Protocol):
+    """Receives the pool's events and snapshots, in the order they happened."""
+
+    def put_events(self, events: list[Event]) -> None:
+        """Events drained after a step."""
+        ...
+
+    def put_snapshot(self, blocks: dict[Medium, list[int]], ts: float) -> None:
+        """A snapshot taken right after the events before it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A token (or the end) of one request, as its consumer sees it."""
+
+    token: int | None
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_tokens: dict[Medium, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step did and how long it took (metrics and profile fitting)."""
+
+    plan: SchedulerPlan
+    seconds: float
+    modeled: bool
+
+
+@dataclass(slots=True)
+class _Consumer:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent]
+
+
+@dataclass(slots=True)
+class _Command:
+    kind: str
+    request: Request | None = None
+    request_id: str = ""
+    reason: FinishReason = FinishReason.ABORT
+    consumer: _Consumer | None = None
+    fn: Callable[[Scheduler], Any] | None = None
+    future: Future[Any] | None = field(default=None)
+
+
+class EngineLoop:
+    """Drives a :class:`Scheduler` and a :class:`Runner` on a dedicated thread."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        sink: EventSink | None = None,
+        time_scale: float = 1.0,
+        on_step: Callable[[StepRecord], None] | None = None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sink = sink
+        self.time_scale = time_scale
+        self.on_step = on_step
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._consumers: dict[str, _Consumer] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (and publish the pool's start-up events, e.g. SSD restore)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; pending requests end with ``abort``."""
+        self._stop.set()
+        self._commands.put(_Command("wake"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- API for other threads ----------------------------------------------------------------
+
+    def submit(self, request: Request) -> asyncio.Queue[TokenEvent]:
+        """Queue ``request``; its tokens arrive on the returned queue (call from a coroutine)."""
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running")
+        consumer = _Consumer(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(_Command("add", request=request, consumer=consumer))
+        return consumer.queue
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish a request between steps (client gone, stop string); frees its blocks."""
+        self._commands.put(_Command("abort", request_id=request_id, reason=reason))
+
+    def call(self, fn: Callable[[Scheduler], _T]) -> Future[_T]:
+        """Run ``fn(scheduler)`` on the engine thread between steps."""
+        fut: Future[_T] = Future()
+        self._commands.put(_Command("call", fn=fn, future=fut))
+        return fut
+
+    async def acall(self, fn: Callable[[Scheduler], _T]) -> _T:
+        """Awaitable :meth:`call`."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def request_snapshot(self) -> None:
+        """Flush pending events, then hand the sink a snapshot of the pool (in that order)."""
+        self._commands.put(_Command("call", fn=self._snapshot))
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _snapshot(self, scheduler: Scheduler) -> None:
+        self._flush_events()
+        if self.sink is not None:
+            self.sink.put_snapshot(scheduler.pool.snapshot(), time.time())
+
+    def _flush_events(self) -> None:
+        events = self.scheduler.pool.take_events()
+        if events and self.sink is not None:
+            self.sink.put_events(events)
+
+    def _deliver(self, request_id: str, ev: TokenEvent) -> None:
+        consumer = self._consumers.get(request_id)
+        if consumer is None:
+            return
+        if ev.finished:
+            del self._consumers[request_id]
+        # A closed loop means nobody listens any more.
+        with contextlib.suppress(RuntimeError):
+            consumer.loop.call_soon_threadsafe(consumer.queue.put_nowait, ev)
+
+    @staticmethod
+    def _event(req: Request, token: int | None, out: StepOutput | None) -> TokenEvent:
+        return TokenEvent(
+            token=token,
+            finished=out.finished if out else True,
+            finish_reason=out.finish_reason if out else req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            cached_tokens=req.cached_by_medium(),
+        )
+
+    def _apply(self, cmd: _Command) -> None:
+        if cmd.request is not None and cmd.consumer is not None:
+            self._add(cmd.request, cmd.consumer)
+        elif cmd.kind == "abort":
+            req = self.scheduler.abort(cmd.request_id, cmd.reason)
+            if req is not None:
+                self._deliver(cmd.request_id, self._event(req, None, None))
+        elif cmd.fn is not None:
+            try:
+                result = cmd.fn(self.scheduler)
+            except BaseException as exc:  # the caller gets it through its future
+                if cmd.future is not None:
+                    cmd.future.set_exception(exc)
+            else:
+                if cmd.future is not None:
+                    cmd.future.set_result(result)
+
+    def _add(self, req: Request, consumer: _Consumer) -> None:
+        self._consumers[req.request_id] = consumer
+        try:
+            self.scheduler.add(req)
+        except ValueError:
+            log.warning("request %s refused by the scheduler", req.request_id, exc_info=True)
+            req.finish_reason = FinishReason.ABORT
+            self._deliver(req.request_id, self._event(req, None, None))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self.idle_wait_s) if block else None
+            while True:
+                if cmd is not None:
+                    self._apply(cmd)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _run(self) -> None:
+        try:
+            self._flush_events()
+            while not self._stop.is_set():
+                self._drain(block=not self.scheduler.has_work())
+                if self.scheduler.has_work():
+                    self._step()
+                self._flush_events()
+        except BaseException as exc:
+            log.exception("engine loop crashed")
+            self.error = exc
+        finally:
+            for rid in list(self._consumers):
+                req = self.scheduler.abort(rid)
+                if req is not None:
+                    self._deliver(rid, self._event(req, None, None))
+            self._flush_events()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return
+        result = self.runner.execute(plan)
+        if result.modeled:
+            remaining = result.duration_s * self.time_scale - (time.perf_counter() - t0)
+            if remaining > 0:
+                self._stop.wait(remaining)
+        outputs = self.scheduler.update(plan, result.sampled)
+        self.steps += 1
+        for out in outputs:
+            self._deliver(out.request.request_id, self._event(out.request, out.token, out))
+        if self.on_step is not None:
+            seconds = result.duration_s if result.modeled else time.perf_counter() - t0
+            self.on_step(StepRecord(plan, seconds, result.modeled))

@@ -1,0 +1,219 @@
+"""OpenAI-compatible request and response models, shared by the worker and the gateway.
+
+Only what kvrouter serves: completions and chat completions (n=1), SSE
+streaming, ``usage`` with ``prompt_tokens_details.cached_tokens`` plus our
+extension ``cached_tokens_by_medium``, and the PD extension
+``kv_transfer_params``. Unknown fields are ignored, as OpenAI's clients send
+many. Errors are OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ApiError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "PromptTokensDetails",
+    "Usage",
+    "error_body",
+    "new_id",
+]
+
+
+def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style id such as ``cmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """Unix seconds for ``created`` fields."""
+    return int(time.time())
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    """``stream_options``: ``include_usage`` adds a final usage chunk."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if isinstance(v, list) and any(not isinstance(t, int) or t < 0 for t in v):
+            raise ValueError("token ids must be non-negative integers")
+        if isinstance(v, str | list) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v  # type: ignore[no-any-return]
+
+
+class TextPart(_Lenient):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    """One chat message."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _max_tokens_alias(self) -> ChatCompletionRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as plain dicts for the chat template (``developer`` becomes ``system``)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts; ``cached_tokens_by_medium`` is kvrouter's extension."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    cached_tokens_by_medium: dict[str, int] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``."""
+
+    error: ErrorBody
+
+
+def error_body(
+    message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """An OpenAI-style error payload as a dict."""
+    return ErrorResponse(
+        error=ErrorBody(message=message, type=type_, param=param, code=code)
+    ).model_dump()
+
+
+class ApiError(Exception):
+    """An error for the client: HTTP status plus OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body to send."""
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)

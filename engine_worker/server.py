@@ -1,0 +1,206 @@
+"""The worker's HTTP server: OpenAI API, health, metrics and internal ``/kv`` endpoints.
+
+``create_app(settings)`` builds the app; the lifespan loads the model,
+starts the engine thread and (with Redis) the publisher and heartbeat, and
+stops them on shutdown. No module-level app, settings or singletons.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine_worker.http_limits import BodyLimitMiddleware
+from engine_worker.metrics import WorkerMetrics
+from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
+from engine_worker.serving import Generation, full_body, prepare_chat, prepare_completion
+from engine_worker.serving import stream_body as _stream_body
+from engine_worker.settings import WorkerSettings
+from engine_worker.worker import Worker
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "NotFoundError",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def _error(status: int, message: str, **kw: Any) -> JSONResponse:
+    err = ApiError(status, message, type_=_STATUS_TYPES.get(status, "server_error"), **kw)
+    return JSONResponse(err.body(), status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped errors for every failure path (shared by the worker and the gateway)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, "The request body is not valid JSON.")
+        msg = first.get("msg", "invalid request")
+        where = ".".join(loc)
+        return _error(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+
+def get_worker(request: Request) -> Worker:
+    """The app's worker, or 503 when its engine is not running."""
+    worker: Worker = request.state.worker
+    if not worker.engine.alive:
+        raise ApiError(503, "the engine is not running", type_="service_unavailable")
+    return worker
+
+
+WorkerDep = Annotated[Worker, Depends(get_worker)]
+
+
+def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None = None) -> FastAPI:
+    """Build the worker app. The model loads when the app starts (lifespan)."""
+    metrics = WorkerMetrics(registry or CollectorRegistry())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        import asyncio
+
+        worker = await asyncio.to_thread(Worker.build, settings, metrics)
+        await worker.start()
+        log.info(
+            "worker %s serving %s on %s (runner=%s, block_size=%d, hbm=%d dram=%d ssd=%d)",
+            worker.name, worker.model_name, settings.url, settings.runner,
+            settings.block_size, settings.hbm_blocks, settings.dram_blocks, settings.ssd_blocks,
+        )  # fmt: skip
+        app.state.worker = worker
+        try:
+            yield {"worker": worker}
+        finally:
+            await worker.stop()
+
+    app = FastAPI(title="kvrouter worker", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+
+    def require_internal(request: Request) -> None:
+        token = settings.internal_token
+        if token is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth.removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+            raise ApiError(401, "a valid internal token is required", type_="authentication_error")
+
+    internal = Depends(require_internal)
+
+    async def respond(gen: Generation) -> Response:
+        if gen.prep.stream:
+            return StreamingResponse(
+                _stream_body(gen),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": gen.prep.request_id},
+            )
+        return JSONResponse(await full_body(gen), headers={"X-Request-Id": gen.prep.request_id})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, worker: WorkerDep) -> Response:
+        gen = Generation(worker, prepare_completion(worker, body), request.is_disconnected)
+        return await respond(gen)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, worker: WorkerDep) -> Response:
+        gen = Generation(worker, prepare_chat(worker, body), request.is_disconnected)
+        return await respond(gen)
+
+    @app.get("/v1/models")
+    async def models(worker: WorkerDep) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": worker.model_name,
+                    "object": "model",
+                    "created": int(worker.started_at),
+                    "owned_by": "kvrouter",
+                    "max_model_len": worker.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        worker: Worker = request.state.worker
+        if not worker.engine.alive:
+            return _error(503, "the engine is not running")
+        return JSONResponse({"status": "ok", "worker": worker.name, "time": now_s()})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        request.state.worker.update_metrics()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/worker/view")
+    async def view(worker: WorkerDep) -> Response:
+        """The worker's view (what its heartbeat publishes), for static discovery."""
+        return Response(msgspec.json.encode(worker.view()), media_type="application/json")
+
+    @app.get("/kv/keys", dependencies=[internal])
+    async def kv_keys(worker: WorkerDep) -> Response:
+        """Every cached key per medium, taken between two engine steps (for the audit)."""
+        blocks = await worker.engine.acall(lambda s: s.pool.snapshot())
+        payload = {
+            "host": worker.name,
+            "epoch": worker.epoch,
+            "blocks": {m.value: keys for m, keys in blocks.items()},
+        }
+        return Response(json.dumps(payload), media_type="application/json")
+
+    @app.get("/kv/stats", dependencies=[internal])
+    async def kv_stats(worker: WorkerDep) -> dict[str, Any]:
+        """Pool counters and usage (tests and operators)."""
+
+        def read(s: Any) -> dict[str, Any]:
+            st = s.pool.stats()
+            cap = s.pool.capacity()
+            return {
+                "in_use_blocks": cap.hbm - s.pool.num_free(),
+                "usage": {m.value: n for m, n in s.pool.usage().items()},
+                "demotions": {m.value: n for m, n in st.demotions.items()},
+                "promotions": {m.value: n for m, n in st.promotions.items()},
+                "evictions": {m.value: n for m, n in st.evictions.items()},
+                "running": s.num_running,
+                "waiting": s.num_waiting,
+            }
+
+        result: dict[str, Any] = await worker.engine.acall(read)
+        return result
+
+    return app

@@ -1,0 +1,370 @@
+"""OpenAI completions and chat completions on top of the engine loop.
+
+A request becomes token ids (the chat template renders messages first),
+the ids a :class:`~engine_worker.request.Request`, and the engine's token
+events a stream of text deltas: incrementally detokenized, cut at the first
+stop string (which is never sent), and ended with OpenAI's
+``finish_reason``. A client that goes away aborts its request, so its KV
+blocks return to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_worker.engine import TokenEvent
+from engine_worker.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    Usage,
+    new_id,
+    now_s,
+)
+from engine_worker.request import FinishReason, Request, SamplingParams
+from engine_worker.scheduler import RequestTooLargeError
+from engine_worker.worker import Worker
+from indexer.media import MEDIA
+
+__all__ = ["Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
+
+_CANCEL_POLL_S = 0.25
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stops: list[str]
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+    echo_text: str = ""
+
+
+def _sampling(worker: Worker, body: CompletionRequest | ChatCompletionRequest, n_prompt: int,
+              default_max: int) -> SamplingParams:  # fmt: skip
+    limit = worker.max_model_len
+    if n_prompt >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{n_prompt} tokens.",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = (
+        body.max_tokens if body.max_tokens is not None else min(default_max, limit - n_prompt)
+    )
+    if n_prompt + max_tokens > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; the prompt has {n_prompt} "
+            f"and max_tokens asks for {max_tokens} more.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+def _check_model(worker: Worker, model: str) -> None:
+    if model != worker.model_name:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. This worker serves `{worker.model_name}`.",
+            type_="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def prepare_completion(worker: Worker, body: CompletionRequest) -> Prepared:
+    """Validate a completions request against this worker; raise ApiError when it cannot run."""
+    _check_model(worker, body.model)
+    if isinstance(body.prompt, str):
+        ids = worker.tokenizer.encode(body.prompt)
+        echo = body.prompt
+    else:
+        ids = list(body.prompt)  # type: ignore[arg-type]
+        vocab = worker.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise ApiError(400, f"prompt token ids must be < {vocab}", param="prompt")
+        echo = worker.tokenizer.decode(ids) if body.echo else ""
+    if not ids:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    return Prepared(
+        request_id=new_id("cmpl"),
+        endpoint="completions",
+        model=worker.model_name,
+        prompt_ids=ids,
+        sampling=_sampling(worker, body, len(ids), 16),
+        stops=body.stop_list(),
+        cache_salt=body.cache_salt,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        echo_text=echo if body.echo else "",
+    )
+
+
+def prepare_chat(worker: Worker, body: ChatCompletionRequest) -> Prepared:
+    """Render, tokenize and validate a chat request; raise ApiError when it cannot run."""
+    _check_model(worker, body.model)
+    if worker.chat_template is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    from engine_worker.chat_template import ChatTemplateError
+
+    try:
+        text = worker.chat_template.render(
+            body.template_messages(), add_generation_prompt=body.add_generation_prompt
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"cannot render the chat: {exc}", param="messages") from exc
+    ids = worker.tokenizer.encode(text, add_special_tokens=False)
+    return Prepared(
+        request_id=new_id("chatcmpl"),
+        endpoint="chat",
+        model=worker.model_name,
+        prompt_ids=ids,
+        sampling=_sampling(worker, body, len(ids), worker.max_model_len),
+        stops=body.stop_list(),
+        cache_salt=body.cache_salt,
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text of a request, and its end."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request through the engine: text deltas, stop strings, usage, metrics."""
+
+    worker: Worker
+    prep: Prepared
+    is_disconnected: Callable[[], Any] | None = None
+    completion_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+    _done: bool = False
+
+    def usage(self) -> Usage:
+        """Token counts so far (final once the stream ended)."""
+        n = len(self.prep.prompt_ids)
+        cached = sum(self.cached.values())
+        return Usage(
+            prompt_tokens=n,
+            completion_tokens=self.completion_tokens,
+            total_tokens=n + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            cached_tokens_by_medium=dict(self.cached),
+        )
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Run the request; yields text deltas, the last one carrying the finish reason."""
+        w, p = self.worker, self.prep
+        req = Request(
+            p.request_id,
+            p.prompt_ids,
+            p.sampling,
+            w.root(p.cache_salt),
+            w.block_size,
+            frozenset(w.tokenizer.eos_token_ids),
+        )
+        try:
+            w.scheduler.check(req)
+        except RequestTooLargeError as exc:
+            raise ApiError(400, str(exc), code="context_length_exceeded") from exc
+        t0 = time.perf_counter()
+        last = t0
+        first_at: float | None = None
+        queue = w.engine.submit(req)
+        decoder = w.tokenizer.incremental_decoder(p.prompt_ids)
+        stops = p.stops
+        hold = max((len(s) for s in stops), default=1) - 1
+        text = ""
+        sent = 0
+        try:
+            while True:
+                ev = await self._next(queue)
+                if ev.token is not None:
+                    now = time.perf_counter()
+                    if first_at is None:
+                        first_at = now
+                        w.metrics.ttft.observe(now - t0)
+                    last = now
+                    self.completion_tokens = ev.num_output_tokens
+                    if not (ev.finished and ev.token in req.eos_token_ids):
+                        text += decoder.push(ev.token)
+                self.cached = {m.value: ev.cached_tokens.get(m, 0) for m in MEDIA}
+                reason = ev.finish_reason.value if ev.finish_reason else None
+                if ev.finished and reason == FinishReason.ABORT.value:
+                    reason = "abort"
+                cut = _find_stop(text, stops, max(sent - hold, 0))
+                if cut is not None:
+                    text = text[:cut]
+                    if not ev.finished:
+                        w.engine.abort(req.request_id, FinishReason.STOP)
+                    reason = FinishReason.STOP.value
+                    self._done = True
+                elif ev.finished:
+                    text += decoder.finish()
+                    self._done = True
+                upto = len(text) if self._done else max(len(text) - hold, sent)
+                if upto > sent or self._done:
+                    yield Delta(text[sent:upto], reason if self._done else None)
+                    sent = upto
+                if self._done:
+                    break
+        finally:
+            if not self._done:
+                w.engine.abort(req.request_id)
+            else:
+                self._record(t0, first_at, last)
+
+    async def _next(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:
+        if self.is_disconnected is None:
+            return await queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), _CANCEL_POLL_S)
+            except TimeoutError:
+                if await self.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected") from None
+
+    def _record(self, t0: float, first_at: float | None, last: float) -> None:
+        m = self.worker.metrics
+        m.e2e.observe(last - t0)
+        if first_at is not None and self.completion_tokens > 1:
+            m.tpot.observe((last - first_at) / (self.completion_tokens - 1))
+        m.prompt_tokens.inc(len(self.prep.prompt_ids))
+        m.generation_tokens.inc(self.completion_tokens)
+        for medium, n in self.cached.items():
+            if n:
+                m.prefix_hit_tokens.labels(medium).inc(n)
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    best: int | None = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def completion_chunk(p: Prepared, text: str, reason: str | None, created: int) -> dict[str, Any]:
+    """A ``text_completion`` (stream chunk or whole response body without usage)."""
+    return {
+        "id": p.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": p.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+    }
+
+
+def chat_chunk(
+    p: Prepared, delta: dict[str, Any], reason: str | None, created: int
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``."""
+    return {
+        "id": p.request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": p.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+    }
+
+
+async def stream_body(gen: Generation) -> AsyncIterator[bytes]:
+    """SSE body of a streaming response, ``data: [DONE]`` last."""
+    p = gen.prep
+    created = now_s()
+    chat = p.endpoint == "chat"
+    if chat:
+        yield sse(chat_chunk(p, {"role": "assistant", "content": ""}, None, created))
+    elif p.echo_text:
+        yield sse(completion_chunk(p, p.echo_text, None, created))
+    try:
+        async for d in gen.deltas():
+            if not d.text and d.finish_reason is None:
+                continue
+            if chat:
+                delta = {"content": d.text} if d.text else {}
+                yield sse(chat_chunk(p, delta, d.finish_reason, created))
+            else:
+                yield sse(completion_chunk(p, d.text, d.finish_reason, created))
+    except ApiError as exc:
+        yield sse({"error": exc.body()["error"]})
+        yield sse("[DONE]")
+        return
+    if p.include_usage:
+        chunk = chat_chunk(p, {}, None, created) if chat else completion_chunk(p, "", None, created)
+        chunk["choices"] = []
+        chunk["usage"] = gen.usage().model_dump()
+        yield sse(chunk)
+    yield sse("[DONE]")
+
+
+async def full_body(gen: Generation) -> dict[str, Any]:
+    """The JSON body of a non-streaming response."""
+    p = gen.prep
+    parts: list[str] = []
+    reason: str | None = None
+    async for d in gen.deltas():
+        parts.append(d.text)
+        reason = d.finish_reason or reason
+    text = "".join(parts)
+    created = now_s()
+    if p.endpoint == "chat":
+        body: dict[str, Any] = {
+            "id": p.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": p.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+            ],
+        }
+    else:
+        body = completion_chunk(p, p.echo_text + text, reason, created)
+    body["usage"] = gen.usage().model_dump()
+    return body

@@ -1,0 +1,325 @@
+"""A worker, HTTP aside: model, tokenizer, tiers, pool, scheduler, runner, engine loop, Redis link.
+
+:meth:`Worker.build` does the heavy, synchronous part (loading weights and
+the tokenizer, allocating the tiers); :meth:`Worker.start` and
+:meth:`Worker.stop` run on the server's event loop and own the engine
+thread, the event publisher and the heartbeat. Without a Redis URL the
+worker serves alone (no events, no heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
+from engine_worker.chat_template import ChatTemplate, ChatTemplateError
+from engine_worker.engine import EngineLoop, StepRecord
+from engine_worker.metrics import WorkerMetrics
+from engine_worker.model.registry import ModelSpec, resolve
+from engine_worker.presence import Presence
+from engine_worker.profiles import default_profile, load_profile
+from engine_worker.publisher import EventPublisher, new_epoch
+from engine_worker.runners.base import Runner
+from engine_worker.runners.sim import SimRunner
+from engine_worker.scheduler import Scheduler, SchedulerConfig
+from engine_worker.settings import WorkerSettings
+from engine_worker.tiers import TierStorage
+from engine_worker.tokenizer import Tokenizer, load_tokenizer
+from indexer.keys import root_parent
+from indexer.media import MEDIA, Medium
+from indexer.profile import TimingProfile
+from indexer.registry import RedisHostRegistry
+from indexer.views import WorkerView
+from indexer.wire import Keyspace
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineState:
+    """The engine's load as of its last step (read by heartbeats without touching the pool)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    used_blocks: dict[Medium, int] = field(default_factory=dict)
+    moves: PoolStats = field(default_factory=PoolStats)
+
+
+class Worker:
+    """Everything one worker runs."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        spec: ModelSpec,
+        tokenizer: Tokenizer,
+        pool: BlockPool,
+        storage: TierStorage | None,
+        scheduler: Scheduler,
+        runner: Runner,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.worker_name
+        self.model_name = settings.served_model_name or spec.name
+        self.spec = spec
+        self.tokenizer = tokenizer
+        try:
+            self.chat_template: ChatTemplate | None = ChatTemplate.for_tokenizer(tokenizer)
+        except ChatTemplateError:
+            self.chat_template = None
+        self.pool = pool
+        self.storage = storage
+        self.scheduler = scheduler
+        self.runner = runner
+        self.metrics = metrics
+        self.block_size = settings.block_size
+        self.epoch = new_epoch()
+        self.started_at = time.time()
+        self.state = EngineState()
+        self.engine = EngineLoop(
+            scheduler, runner, time_scale=settings.time_scale, on_step=self._on_step
+        )
+        self.redis: aioredis.Redis | None = None
+        self.publisher: EventPublisher | None = None
+        self.presence: Presence | None = None
+        self._roots: dict[str, int] = {}
+        self._published = (0, 0, 0)
+        self._registered = False
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, settings: WorkerSettings, metrics: WorkerMetrics) -> Worker:
+        """Load the model (torch runner) or just the tokenizer (sim), allocate the tiers."""
+        spec = resolve(settings.model, settings.served_model_name or None)
+        tokenizer = load_tokenizer(str(spec.tokenizer_path))
+        capacity = TierCapacity(
+            hbm=settings.hbm_blocks, dram=settings.dram_blocks, ssd=settings.ssd_blocks
+        )
+        storage: TierStorage | None = None
+        runner: Runner
+        if settings.runner == "torch":
+            from engine_worker.profile_fit import ProfileFitter
+            from engine_worker.runners.torch_runner import TorchRunner
+
+            config, model = spec.load(device=settings.device, seed=settings.seed)
+            layout = config.kv_layout(settings.block_size, settings.kv_dtype)
+            storage = TierStorage(
+                layout, capacity, device=settings.device, ssd_path=settings.ssd_path
+            )
+            prior = default_profile()
+            fitter = ProfileFitter(
+                name=f"{spec.name}-{settings.device}-fitted",
+                kv_bytes_per_token=layout.bytes_per_token,
+                load_bandwidth={},
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                prior=prior,
+            )
+            runner = TorchRunner(model, storage.hbm, fitter=fitter, seed=settings.seed)
+            context = config.max_position_embeddings
+        else:
+            profile = load_profile(settings.profile) if settings.profile else default_profile()
+            runner = SimRunner(
+                profile,
+                settings.block_size,
+                vocab_size=min(settings.sim_vocab_size, tokenizer.vocab_size),
+                avoid_token_ids=tokenizer.eos_token_ids,
+            )
+            context = 131072
+        max_len = settings.max_model_len or min(context, settings.hbm_blocks * settings.block_size)
+        pool = BlockPool(capacity, storage, enable_caching=settings.enable_prefix_caching)
+        sched_config = SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=max_len,
+            enable_prefix_caching=settings.enable_prefix_caching,
+        )
+        scheduler = Scheduler(sched_config, pool, settings.block_size)
+        for m in MEDIA:
+            metrics.kv_blocks_capacity.labels(m.value).set(capacity.of(m))
+        return cls(
+            settings,
+            spec=spec,
+            tokenizer=tokenizer,
+            pool=pool,
+            storage=storage,
+            scheduler=scheduler,
+            runner=runner,
+            metrics=metrics,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may have."""
+        return self.scheduler.config.max_model_len
+
+    def root(self, cache_salt: str | None) -> int:
+        """Root parent key for this model and an optional per-request cache salt."""
+        salt = cache_salt or ""
+        root = self._roots.get(salt)
+        if root is None:
+            root = root_parent(self.model_name, "", salt)
+            if len(self._roots) < 4096:
+                self._roots[salt] = root
+        return root
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine thread and, with Redis, the publisher and heartbeat."""
+        if self.settings.redis_url:
+            self.redis = aioredis.Redis.from_url(
+                self.settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
+            keyspace = Keyspace(self.settings.key_prefix)
+            self.publisher = EventPublisher(
+                self.redis,
+                self.name,
+                keyspace=keyspace,
+                epoch=self.epoch,
+                max_batch_blocks=self.settings.event_batch_blocks,
+                max_delay_s=self.settings.event_max_delay_s,
+                buffer_limit=self.settings.event_buffer_limit,
+                drop_rate=self.settings.event_drop_rate,
+                request_snapshot=self.engine.request_snapshot,
+                seed=self.settings.seed,
+            )
+            self.engine.sink = self.publisher
+            self.publisher.start()
+            registry = RedisHostRegistry(self.redis, keyspace)
+
+            async def register() -> None:
+                registry.forget()
+                if await registry.lookup(self.name) is None:
+                    await registry.get_or_create(self.name)
+                    if self._registered:
+                        log.warning("worker %s: Redis lost its data; resynchronizing", self.name)
+                        self.engine.request_snapshot()
+                self._registered = True
+
+            self.presence = Presence(
+                self.redis,
+                self.name,
+                self.view,
+                self.engine.request_snapshot,
+                keyspace=keyspace,
+                register=register,
+                interval_s=self.settings.heartbeat_interval_s,
+                ttl_s=self.settings.heartbeat_ttl_s,
+            )
+            # The first message of every epoch is a snapshot (SSD blocks restored at start).
+            self.engine.request_snapshot()
+        self.engine.start()
+        self._refresh_state(self.scheduler)
+        if self.presence is not None:
+            self.presence.start()
+
+    async def stop(self) -> None:
+        """Stop serving: heartbeat first (routers drop us), then the engine, then publishing."""
+        if self.presence is not None:
+            await self.presence.stop()
+        await asyncio.to_thread(self.engine.stop)
+        if self.publisher is not None:
+            await self.publisher.stop()
+        if self.redis is not None:
+            await self.redis.aclose()
+        if self.storage is not None:
+            self.storage.close()
+
+    # -- state for heartbeats and metrics ------------------------------------------------------
+
+    def _refresh_state(self, scheduler: Scheduler) -> None:
+        self.state = EngineState(
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            queued_prefill_tokens=scheduler.queued_prefill_tokens(),
+            used_blocks=scheduler.pool.usage(),
+            moves=scheduler.pool.stats(),
+        )
+
+    def _on_step(self, record: StepRecord) -> None:
+        self._refresh_state(self.scheduler)
+        m = self.metrics
+        m.steps.inc()
+        m.step_seconds.observe(record.seconds)
+        if record.plan.preempted:
+            m.preemptions.inc(len(record.plan.preempted))
+
+    def profile(self) -> TimingProfile:
+        """The timing profile this worker publishes."""
+        return self.runner.profile()
+
+    def load_bandwidth(self) -> dict[Medium, float]:
+        """Measured bandwidth (bytes/s) moving KV into HBM, per medium, where measured."""
+        out: dict[Medium, float] = {}
+        stats = getattr(self.storage, "bandwidth", None)
+        if stats is not None:
+            for m in (Medium.DRAM, Medium.SSD):
+                bw = stats(m, Medium.HBM)
+                if bw:
+                    out[m] = bw
+        return out
+
+    def view(self) -> WorkerView:
+        """This worker as routers see it (heartbeat payload)."""
+        st = self.state
+        cap = self.pool.capacity()
+        return WorkerView(
+            host=self.name,
+            url=self.settings.url,
+            model=self.model_name,
+            block_size=self.block_size,
+            role=self.settings.role,
+            epoch=self.epoch,
+            running=st.running,
+            waiting=st.waiting,
+            in_flight=st.running + st.waiting,
+            queued_prefill_tokens=st.queued_prefill_tokens,
+            kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
+            kv_used_blocks=dict(st.used_blocks),
+            load_bandwidth=self.load_bandwidth(),
+            profile=self.profile(),
+            ts=time.time(),
+        )
+
+    def update_metrics(self) -> None:
+        """Refresh gauges from the latest engine state (called on /metrics scrapes)."""
+        m = self.metrics
+        st = self.state
+        m.running.set(st.running)
+        m.waiting.set(st.waiting)
+        m.queued_prefill_tokens.set(st.queued_prefill_tokens)
+        cap = self.pool.capacity()
+        for med in MEDIA:
+            used = st.used_blocks.get(med, 0)
+            m.kv_blocks_used.labels(med.value).set(used)
+            total = cap.of(med)
+            m.kv_usage.labels(med.value).set(used / total if total else 0.0)
+        for med, bw in self.load_bandwidth().items():
+            m.load_bandwidth.labels(med.value).set(bw)
+        for kind, counts in (
+            ("demotion", st.moves.demotions),
+            ("promotion", st.moves.promotions),
+            ("eviction", st.moves.evictions),
+        ):
+            for med, n in counts.items():
+                m.block_moves.labels(kind, med.value).set(n)
+        if self.publisher is not None:
+            ps = self.publisher.stats
+            now = (ps.batches_sent, ps.batches_dropped + ps.batches_faulted, ps.snapshots_sent)
+            sent, dropped, snaps = (a - b for a, b in zip(now, self._published, strict=True))
+            m.events_published.inc(sent)
+            m.events_dropped.inc(dropped)
+            m.snapshots_published.inc(snaps)
+            self._published = now
+            m.redis_up.set(1 if self.publisher.healthy else 0)

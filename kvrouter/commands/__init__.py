@@ -1,0 +1,1 @@
+"""CLI commands, one module per command group, registered in ``kvrouter.cli``."""

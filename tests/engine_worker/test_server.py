@@ -1,0 +1,268 @@
+"""The worker's OpenAI server over real HTTP with the tiny model (torch runner)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_worker.server import create_app
+from engine_worker.settings import WorkerSettings
+from tests.support.servers import serve_app
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def worker_url() -> Iterator[str]:
+    settings = WorkerSettings(
+        model="tiny", runner="torch", hbm_blocks=256, dram_blocks=64, max_model_len=1024,
+        max_num_seqs=8, max_num_batched_tokens=256, max_request_bytes=64 * 1024,
+    )  # fmt: skip
+    with serve_app(create_app(settings)) as url:
+        yield url
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def stream_text(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    chunks: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            chunks.append(json.loads(data))
+    text = ""
+    for c in chunks:
+        for ch in c["choices"]:
+            text += ch.get("text") or ch.get("delta", {}).get("content") or ""
+    return text, chunks
+
+
+def stats(url: str) -> dict[str, Any]:
+    result: dict[str, Any] = httpx.get(f"{url}/kv/stats", timeout=30).json()
+    return result
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(url)
+        if (s["running"], s["waiting"], s["in_use_blocks"]) == (0, 0, 0):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker not idle: {s}")
+        time.sleep(0.05)
+
+
+def test_models_and_health(worker_url: str) -> None:
+    models = httpx.get(f"{worker_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{worker_url}/health").json()["status"] == "ok"
+
+
+def test_completion_counts_tokens_and_stops_at_max_tokens(worker_url: str) -> None:
+    r = post(
+        worker_url,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Hello", "max_tokens": 7, "temperature": 0},
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 7
+    assert body["usage"]["prompt_tokens"] >= 1
+    assert body["choices"][0]["text"]
+
+
+def test_streamed_text_equals_the_non_streamed_text(worker_url: str) -> None:
+    req = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    whole = post(worker_url, "/v1/chat/completions", req).json()
+    text, chunks = stream_text(worker_url, "/v1/chat/completions", req)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_repeated_prompt_reports_cached_tokens_on_hbm(worker_url: str) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    req = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = post(worker_url, "/v1/completions", req).json()["usage"]
+    second = post(worker_url, "/v1/completions", req).json()["usage"]
+    n = second["prompt_tokens"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (n - 1) // 16 * 16  # every full block but the one holding the last token
+    assert second["cached_tokens_by_medium"] == {"hbm": cached, "dram": 0, "ssd": 0}
+
+
+def test_stream_usage_chunk_when_asked(worker_url: str) -> None:
+    req = {
+        "model": MODEL,
+        "prompt": "abc",
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    _, chunks = stream_text(worker_url, "/v1/completions", req)
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_stop_string_cuts_the_text_before_it(worker_url: str) -> None:
+    req: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    full = post(worker_url, "/v1/completions", req).json()["choices"][0]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop
+    cut = post(worker_url, "/v1/completions", {**req, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]
+    streamed, _ = stream_text(worker_url, "/v1/completions", {**req, "stop": stop})
+    assert streamed == cut["text"]
+    wait_idle(worker_url)
+
+
+def test_seeded_sampling_is_reproducible(worker_url: str) -> None:
+    req = {"model": MODEL, "prompt": "x y z", "max_tokens": 10, "temperature": 1.0, "seed": 7}
+    a = post(worker_url, "/v1/completions", req).json()["choices"][0]["text"]
+    b = post(worker_url, "/v1/completions", req).json()["choices"][0]["text"]
+    assert a == b
+
+
+def test_eight_concurrent_streams_equal_their_solo_runs(worker_url: str) -> None:
+    reqs = [
+        {
+            "model": MODEL,
+            "prompt": f"Request {i}: " + "lorem ipsum " * (3 * i + 1),
+            "max_tokens": 6 + 3 * i,
+            "temperature": 0,
+        }
+        for i in range(8)
+    ]
+    alone = [stream_text(worker_url, "/v1/completions", r)[0] for r in reqs]
+
+    async def all_at_once() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one(r: dict[str, Any]) -> str:
+                text = ""
+                async with client.stream(
+                    "POST", f"{worker_url}/v1/completions", json={**r, "stream": True}
+                ) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            for ch in json.loads(line[6:])["choices"]:
+                                text += ch["text"]
+                return text
+
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    together = asyncio.run(all_at_once())
+    assert together == alone
+    wait_idle(worker_url)
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(worker_url: str) -> None:
+    wait_idle(worker_url)
+    body = {
+        "model": MODEL,
+        "prompt": "a b c d e f g " * 20,
+        "max_tokens": 800,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{worker_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            assert next(lines).startswith("data: ")
+            next(lines)  # the blank line after each event
+        # Still connected and mid-generation: the request holds KV blocks.
+        assert stats(worker_url)["in_use_blocks"] > 0
+    # Leaving the block closed the connection: the worker must abort and free everything.
+    s = wait_idle(worker_url)
+    assert s["in_use_blocks"] == 0
+
+
+def test_metrics_are_exported(worker_url: str) -> None:
+    post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "metrics", "max_tokens": 2})
+    text = httpx.get(f"{worker_url}/metrics").text
+    for name in (
+        "kvworker_time_to_first_token_seconds_bucket",
+        "kvworker_time_per_output_token_seconds_bucket",
+        "kvworker_num_requests_running",
+        'kvworker_kv_usage_ratio{medium="hbm"}',
+        "kvworker_prefix_hit_tokens_total",
+        "kvworker_kv_block_moves",
+    ):
+        assert name in text, name
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model"),
+        ({"model": MODEL, "prompt": "hi " * 1100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
+        ({"model": MODEL}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    worker_url: str, body: dict[str, Any], status: int, param: str
+) -> None:
+    r = post(worker_url, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"]
+    assert err["type"]
+    assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_malformed_json_and_oversized_bodies(worker_url: str) -> None:
+    r = httpx.post(
+        f"{worker_url}/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+    big = {"model": MODEL, "prompt": "x" * (70 * 1024)}
+    r = post(worker_url, "/v1/completions", big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "body_too_large"
+    bad_chat = post(
+        worker_url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+    )
+    assert bad_chat.status_code == 400
+    wait_idle(worker_url)

@@ -1,0 +1,177 @@
+"""A worker's published event stream, heartbeat and control stream, against a real Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from engine_worker.server import create_app
+from engine_worker.settings import WorkerSettings
+from indexer.events import EventBatch, Snapshot, decode_message
+from indexer.media import MEDIA, Medium
+from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace, decode_view
+from tests.engine_worker.event_replay import EventReplay
+from tests.support.redis_proc import RedisProcess, free_port
+from tests.support.servers import serve_app
+
+KS = Keyspace()
+HOST = "w-events"
+
+
+def settings(redis_url: str, **kw: Any) -> WorkerSettings:
+    base: dict[str, Any] = {
+        "model": "tiny", "name": HOST, "redis_url": redis_url, "hbm_blocks": 24,
+        "dram_blocks": 16, "max_model_len": 256, "max_num_batched_tokens": 128,
+        "heartbeat_interval_s": 0.2, "heartbeat_ttl_s": 2.0,
+    }  # fmt: skip
+    base.update(kw)
+    return WorkerSettings(**base)
+
+
+@pytest.fixture
+def worker(redis_url: str) -> Iterator[str]:
+    port = free_port()
+    with serve_app(create_app(settings(redis_url, port=port)), port=port) as url:
+        yield url
+
+
+def complete(url: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def mixed_workload(url: str, rounds: int = 3) -> None:
+    """Shared prefixes, distinct prompts and enough volume to demote blocks to DRAM."""
+    shared = "You are a careful assistant. " * 6
+    for i in range(rounds * 4):
+        if i % 2:
+            complete(url, shared + f"Question {i}?")
+        else:
+            complete(url, f"Unrelated prompt number {i} " * (20 + i % 3), max_tokens=8)
+
+
+def pool_keys(url: str) -> dict[Medium, set[int]]:
+    blocks = httpx.get(f"{url}/kv/keys", timeout=30).json()["blocks"]
+    return {m: set(blocks.get(m.value, [])) for m in MEDIA}
+
+
+def read_stream(url: str) -> list[EventBatch | Snapshot]:
+    client = redis.Redis.from_url(url)
+    try:
+        entries = client.xrange(KS.events(HOST))
+    finally:
+        client.close()
+    return [decode_message(fields[EVENT_FIELD]) for _, fields in entries]
+
+
+def replay(messages: list[EventBatch | Snapshot]) -> tuple[EventReplay, list[int]]:
+    """Replay the stream from its latest snapshot; returns the state and the batch seqs used."""
+    start = max(i for i, m in enumerate(messages) if isinstance(m, Snapshot))
+    snap = messages[start]
+    assert isinstance(snap, Snapshot)
+    state = EventReplay()
+    for medium, keys in snap.blocks.items():
+        state.held[medium] = set(keys)
+    seqs = []
+    for m in messages[start + 1 :]:
+        if isinstance(m, EventBatch) and m.epoch == snap.epoch and m.seq > snap.seq:
+            state.apply(m.events)
+            seqs.append(m.seq)
+    return state, [snap.seq, *seqs]
+
+
+def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_replaying_the_stream_equals_the_pool_per_medium(worker: str, redis_url: str) -> None:
+    mixed_workload(worker)
+    real = pool_keys(worker)
+    assert real[Medium.DRAM], "the workload should have demoted blocks to DRAM"
+
+    def consistent() -> bool:
+        state, _ = replay(read_stream(redis_url))
+        return state.held == pool_keys(worker)
+
+    eventually(consistent)
+    messages = read_stream(redis_url)
+    assert isinstance(messages[0], Snapshot), "every epoch starts with a snapshot"
+    _, seqs = replay(messages)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no seq gaps"
+    assert {m.host for m in messages} == {HOST}
+
+
+def test_resync_after_redis_restart_mid_run(
+    worker: str, redis_url: str, redis_server: RedisProcess
+) -> None:
+    mixed_workload(worker, rounds=1)
+    redis_server.stop()
+    mixed_workload(worker, rounds=1)  # keeps serving with Redis down
+    redis_server.start()
+    mixed_workload(worker, rounds=1)
+
+    def consistent() -> bool:
+        messages = read_stream(redis_url)
+        if not any(isinstance(m, Snapshot) for m in messages):
+            return False
+        state, _ = replay(messages)
+        return state.held == pool_keys(worker)
+
+    eventually(consistent, timeout=20)
+    metrics = httpx.get(f"{worker}/metrics").text
+    assert "kvworker_redis_up 1.0" in metrics
+
+
+def test_heartbeat_registers_and_describes_the_worker(worker: str, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        eventually(lambda: client.exists(KS.heartbeat(HOST)) == 1)
+        view = decode_view(client.get(KS.heartbeat(HOST)))  # type: ignore[arg-type]
+        ttl = client.pttl(KS.heartbeat(HOST))
+        assert 0 < ttl <= 2000
+        assert client.hget(KS.hosts, HOST) is not None
+    finally:
+        client.close()
+    assert view.host == HOST
+    assert view.model == "tiny"
+    assert view.block_size == 16
+    assert view.url == worker
+    assert view.kv_capacity_blocks == {Medium.HBM: 24, Medium.DRAM: 16, Medium.SSD: 0}
+    assert view.profile is not None
+
+
+def test_a_snapshot_request_on_the_control_stream_is_answered(worker: str, redis_url: str) -> None:
+    complete(worker, "some prompt to cache " * 4)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        eventually(lambda: len(read_stream(redis_url)) >= 2)
+        before = sum(isinstance(m, Snapshot) for m in read_stream(redis_url))
+        client.xadd(KS.control(HOST), {CONTROL_FIELD: OP_SNAPSHOT})
+    finally:
+        client.close()
+    eventually(lambda: sum(isinstance(m, Snapshot) for m in read_stream(redis_url)) > before)
+    snap = [m for m in read_stream(redis_url) if isinstance(m, Snapshot)][-1]
+    assert {m: set(k) for m, k in snap.blocks.items()} == pool_keys(worker)
+
+
+def test_heartbeat_disappears_on_clean_shutdown(redis_url: str) -> None:
+    with serve_app(create_app(settings(redis_url, name="w-bye"))):
+        client = redis.Redis.from_url(redis_url)
+        eventually(lambda: client.exists(KS.heartbeat("w-bye")) == 1)
+    assert client.exists(KS.heartbeat("w-bye")) == 0
+    client.close()

@@ -1,0 +1,106 @@
+"""Real HTTP servers on loopback for tests: an app in a uvicorn thread, or a CLI subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.types import ASGIApp
+
+from kvrouter.embedded_redis import free_port
+
+__all__ = ["ServerProcess", "serve_app", "wait_http"]
+
+
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll ``url`` until it answers 200 (or raise after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s ({last})")
+
+
+@contextmanager
+def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> Iterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1 in a thread; yields its base URL."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"server on port {port} failed to start")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server on port {port} did not start in {timeout}s")
+            time.sleep(0.02)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class ServerProcess:
+    """A ``kvrouter`` CLI command in its own process group (killable with SIGKILL)."""
+
+    def __init__(self, args: Sequence[str], *, health_url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.args = [sys.executable, "-m", "kvrouter", *args]
+        self.health_url = health_url
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        """Start and wait until healthy."""
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        log.close()
+        try:
+            wait_http(self.health_url, timeout, self.proc)
+        except Exception:
+            self.kill()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (no clean shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it lingers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def logs(self) -> str:
+        """What the process printed."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
