@@ -69,7 +69,7 @@ def pool_keys(url: str) -> dict[Medium, set[int]]:
 def read_stream(url: str) -> list[EventBatch | Snapshot]:
     client = redis.Redis.from_url(url)
     try:
-        entries = client.xrange(KS.events(HOST))
+        entries: Any = client.xrange(KS.events(HOST))
     finally:
         client.close()
     return [decode_message(fields[EVENT_FIELD]) for _, fields in entries]
