@@ -310,16 +310,25 @@ def chat_chunk(
 
 
 async def stream_body(gen: Generation) -> AsyncIterator[bytes]:
-    """SSE body of a streaming response, ``data: [DONE]`` last."""
+    """SSE body of a streaming response, ``data: [DONE]`` last.
+
+    NOTE: the opening chunk (chat's assistant role, completions' echo) goes
+    out with the first token, not before: the first byte then marks the end
+    of prefill, which is what the gateway's TTFT and its retry-before-first-
+    byte rule rely on.
+    """
     p = gen.prep
     created = now_s()
     chat = p.endpoint == "chat"
-    if chat:
-        yield sse(chat_chunk(p, {"role": "assistant", "content": ""}, None, created))
-    elif p.echo_text:
-        yield sse(completion_chunk(p, p.echo_text, None, created))
+    opened = False
     try:
         async for d in gen.deltas():
+            if not opened:
+                opened = True
+                if chat:
+                    yield sse(chat_chunk(p, {"role": "assistant", "content": ""}, None, created))
+                elif p.echo_text:
+                    yield sse(completion_chunk(p, p.echo_text, None, created))
             if not d.text and d.finish_reason is None:
                 continue
             if chat:

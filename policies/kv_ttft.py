@@ -55,6 +55,10 @@ class KvTtftPolicy:
         catchup_s: A view taken this long after a routing already counts it.
         mean_decode_context: KV tokens per running sequence assumed for the decode term.
         default_profile: Profile for workers that publish none.
+        speculative_load: Add what this policy routed to the views' queues until they
+            show it. The gateway turns it off: its own accounting of routed requests is
+            already in the views it passes, exact and immediate, and counting it twice
+            would push a burst away from the worker that holds its prefix.
     """
 
     name = "kv_ttft"
@@ -66,12 +70,14 @@ class KvTtftPolicy:
         catchup_s: float = 0.05,
         mean_decode_context: int = 2048,
         default_profile: TimingProfile | None = None,
+        speculative_load: bool = True,
     ) -> None:
         if mean_decode_context < 0:
             raise ValueError(f"mean_decode_context must be >= 0, got {mean_decode_context}")
         self.speculation = Speculation(speculative_ttl_s, catchup_s)
         self.mean_decode_context = mean_decode_context
         self.default_profile = default_profile
+        self.speculative_load = speculative_load
 
     def choose(
         self,
@@ -98,7 +104,9 @@ class KvTtftPolicy:
             match = self.speculation.merge(view.host, keys, matches.get(view.host))
             matched = min(match.blocks, len(keys)) if match is not None else 0
             cached, new = split_prompt(request.num_tokens, matched, request.block_size)
-            spec_tokens, spec_requests = self.speculation.pending(view, now)
+            spec_tokens, spec_requests = (
+                self.speculation.pending(view, now) if self.speculative_load else (0, 0)
+            )
             batch = view.running
             kv = batch * self.mean_decode_context
             wait = queue_seconds(profile, view.queued_prefill_tokens + spec_tokens, batch, kv)

@@ -127,6 +127,21 @@ def test_speculative_load_stops_counting_once_a_newer_view_shows_it() -> None:
     assert fresh.scores["w"]["speculative_tokens"] == 0
 
 
+def test_without_speculative_load_only_the_views_queue_counts() -> None:
+    # The gateway passes views that already include what it routed; counting it again would
+    # double the queue of the worker holding a burst's prefix.
+    system = tokens(1024, seed=13)
+    policy = KvTtftPolicy(speculative_load=False)
+    policy.choose(request(system + tokens(64, seed=14), now=1.0), [view("w", ts=0.9)], {})
+
+    later = policy.choose(request(system + tokens(64, seed=15), now=1.01), [view("w", ts=0.9)], {})
+
+    assert later.scores["w"]["speculative_tokens"] == 0
+    assert later.scores["w"]["wait_s"] == 0.0
+    # The speculative prefix entry still applies: the index has not seen the first request yet.
+    assert later.scores["w"]["cached_tokens"] == len(system)
+
+
 def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
     system = tokens(4096, seed=10)
     burst = [request(system + tokens(64, seed=100 + i), now=i * 0.01) for i in range(16)]
