@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: tokenize, key, look up, choose, dispatch, stream back."""

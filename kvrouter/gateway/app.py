@@ -1,0 +1,344 @@
+"""The gateway app: ``create_app(settings)``.
+
+The lifespan owns every connection and task (Redis client, index, httpx
+client, discovery, load sharing) and loads the tokenizers of the served
+models; no module-level app, settings or singletons.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import httpx
+import redis.asyncio as aioredis
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from engine_worker.chat_template import ChatTemplate, ChatTemplateError
+from engine_worker.http_limits import BodyLimitMiddleware
+from engine_worker.model.registry import resolve
+from engine_worker.profiles import default_profile
+from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
+from engine_worker.server import install_error_handlers
+from engine_worker.tokenizer import load_tokenizer
+from indexer.index.redis_index import RedisIndex
+from indexer.wire import Keyspace
+from kvrouter.gateway.affinity import SessionAffinity
+from kvrouter.gateway.discovery import WorkerDirectory
+from kvrouter.gateway.dispatch import Dispatcher, Upstream, stream_error_event
+from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.routing import ModelTokens, Routed, Router
+from kvrouter.gateway.settings import RouterSettings
+from kvrouter.logs import request_id_var
+from policies.base import Policy
+from policies.registry import make_policy
+
+__all__ = ["build_policy", "create_app"]
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def build_policy(name: str, seed: int = 0) -> Policy:
+    """A policy configured for the gateway (profile fallback; exact load accounting)."""
+    options: dict[str, Any] = {}
+    if name in ("kv_ttft", "mooncake_conductor"):
+        options["default_profile"] = default_profile()
+    if name == "kv_ttft":
+        options["speculative_load"] = False
+    return make_policy(name, seed=seed, **options)
+
+
+@dataclass(slots=True)
+class Gateway:
+    """What the lifespan builds and the handlers use."""
+
+    settings: RouterSettings
+    router: Router
+    dispatcher: Dispatcher
+    directory: WorkerDirectory
+    load: LoadTracker
+    affinity: SessionAffinity
+    metrics: RouterMetrics
+
+
+def get_gateway(request: Request) -> Gateway:
+    """The app's gateway state (built by the lifespan)."""
+    gw: Gateway = request.state.gateway
+    return gw
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+
+
+def _load_models(specs: list[str]) -> dict[str, ModelTokens]:
+    models: dict[str, ModelTokens] = {}
+    for spec in specs:
+        resolved = resolve(spec)
+        tok = load_tokenizer(spec)
+        try:
+            template: ChatTemplate | None = ChatTemplate.for_tokenizer(tok)
+        except ChatTemplateError:
+            template = None
+        models[resolved.name] = ModelTokens(tok, template)
+    return models
+
+
+def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None = None) -> FastAPI:
+    """Build the gateway app."""
+    metrics = RouterMetrics(registry or CollectorRegistry())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        import asyncio
+
+        models = await asyncio.to_thread(_load_models, settings.models)
+        keyspace = Keyspace(settings.key_prefix)
+        client = (
+            aioredis.Redis.from_url(
+                settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+            )
+            if settings.redis_url
+            else None
+        )
+        index = RedisIndex(client, keyspace) if client is not None else None
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
+        directory = WorkerDirectory(
+            metrics=metrics,
+            block_size=settings.block_size,
+            models=set(models),
+            client=client,
+            keyspace=keyspace,
+            static_urls=settings.workers,
+            http=http,
+            interval_s=settings.discovery_interval_s,
+        )
+        load = LoadTracker(
+            client=client,
+            keyspace=keyspace,
+            lease_s=settings.load_lease_s,
+            sync_interval_s=settings.load_sync_interval_s,
+        )
+        if settings.replica_id:
+            load.replica_id = settings.replica_id
+        router = Router(
+            models=models,
+            directory=directory,
+            index=index,
+            load=load,
+            policy=build_policy(settings.policy, settings.seed),
+            fallback=build_policy(settings.fallback_policy, settings.seed),
+            metrics=metrics,
+            block_size=settings.block_size,
+            max_prompt_tokens=settings.max_prompt_tokens,
+        )
+        token = settings.internal_token.get_secret_value() if settings.internal_token else None
+        dispatcher = Dispatcher(
+            http, directory, load, metrics,
+            max_attempts=settings.max_attempts,
+            connect_timeout_s=settings.connect_timeout_s,
+            first_byte_timeout_s=settings.first_byte_timeout_s,
+            internal_token=token,
+        )  # fmt: skip
+        await directory.refresh()
+        directory.start()
+        load.start()
+        gw = Gateway(settings, router, dispatcher, directory, load, SessionAffinity(), metrics)
+        log.info(
+            "gateway on %s:%d: models %s, policy %s, %d workers known",
+            settings.bind, settings.port, sorted(models), settings.policy, len(directory.views),
+        )  # fmt: skip
+        try:
+            yield {"gateway": gw}
+        finally:
+            await directory.stop()
+            await load.stop()
+            await http.aclose()
+            if index is not None:
+                await index.close()
+            if client is not None:
+                await client.aclose()
+
+    app = FastAPI(title="kvrouter gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+
+    def authorize(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        if not any(
+            hmac.compare_digest(given, k.get_secret_value().encode()) for k in settings.api_keys
+        ):
+            metrics.auth_failures.inc()
+            raise ApiError(
+                401, "Incorrect or missing API key.", type_="invalid_request_error",
+                code="invalid_api_key",
+            )  # fmt: skip
+
+    auth = Depends(authorize)
+
+    @app.post("/v1/completions", dependencies=[auth])
+    async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+        return await _handle(gw, "completions", "/v1/completions", body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
+        return await _handle(gw, "chat", "/v1/chat/completions", body, request)
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models(gw: GatewayDep) -> dict[str, Any]:
+        served = [m for m in gw.directory.served_models() if m in gw.router.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvrouter"} for m in served]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(gw: GatewayDep) -> Response:
+        workers = sum(len(gw.directory.routable(m)) for m in gw.router.models)
+        if workers == 0:
+            body = ApiError(503, "no routable worker yet", type_="service_unavailable").body()
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ready", "workers": workers})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(gw: GatewayDep) -> Response:
+        for w in gw.load.workers():
+            metrics.in_flight.labels(w).set(gw.load.load(w).in_flight)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    return rid if _REQUEST_ID.match(rid) else new_id("req")
+
+
+async def _handle(
+    gw: Gateway,
+    endpoint: str,
+    path: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+) -> Response:
+    t0 = time.perf_counter()
+    rid = _request_id(request)
+    ctx = request_id_var.set(rid)
+    policy = gw.settings.policy
+    try:
+        session = request.headers.get(gw.settings.session_header) or body.user or None
+        routed = await gw.router.route(body, rid, session)
+        worker = gw.affinity.prefer(session, routed.decision)
+        policy = routed.decision.policy
+        candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
+        raw: dict[str, Any] = await request.json()
+        wants_usage = body.include_usage
+        if body.stream:
+            raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+        up = await gw.dispatcher.open(
+            candidates, path, json.dumps(raw).encode(), rid, _prefill_tokens(routed),
+            whole=not body.stream,
+        )  # fmt: skip
+    except ApiError as exc:
+        gw.metrics.requests.labels(endpoint, str(exc.status), policy).inc()
+        raise
+    finally:
+        request_id_var.reset(ctx)
+    gw.affinity.record(session, up.worker)
+    headers = {"x-request-id": rid, "x-kvrouter-worker": up.worker}
+    if request.headers.get(gw.settings.debug_header):
+        decision = gw.router.decision_header(routed)
+        decision["worker"] = up.worker
+        headers["x-kvrouter-decision"] = json.dumps(decision, separators=(",", ":"))
+    gw.metrics.prompt_tokens.inc(routed.prompt_tokens)
+    if up.rest is None:
+        await up.close()
+        if up.status == 200:
+            _observe_usage(gw, json.loads(up.first).get("usage"))
+        gw.metrics.requests.labels(endpoint, str(up.status), policy).inc()
+        gw.metrics.e2e.observe(time.perf_counter() - t0)
+        ctype = up.headers.get("content-type", "application/json")
+        return Response(up.first, status_code=up.status, media_type=ctype, headers=headers)
+    ttft = up.first_byte_at - t0
+    gw.metrics.ttft.observe(ttft)
+    predicted = routed.decision.predicted_ttft_s
+    if predicted:
+        gw.metrics.predicted_ttft.observe(predicted)
+        gw.metrics.ttft_error_ratio.observe(ttft / predicted)
+    return StreamingResponse(
+        _relay(gw, up, wants_usage, endpoint, policy, t0),
+        media_type="text/event-stream",
+        headers={**headers, "cache-control": "no-cache"},
+    )
+
+
+def _prefill_tokens(routed: Routed) -> dict[str, int]:
+    """Per candidate, the prompt tokens it would still prefill (its cached ones off)."""
+    out = {}
+    for host, terms in routed.decision.scores.items():
+        cached = int(terms.get("cached_tokens", 0))
+        out[host] = max(routed.prompt_tokens - cached, 1)
+    out[routed.decision.worker] = routed.uncached_tokens()
+    return out
+
+
+def _observe_usage(gw: Gateway, usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    for medium, n in (usage.get("cached_tokens_by_medium") or {}).items():
+        if n:
+            gw.metrics.prefix_hit_tokens.labels(medium).inc(n)
+
+
+async def _relay(
+    gw: Gateway, up: Upstream, wants_usage: bool, endpoint: str, policy: str, t0: float
+) -> AsyncIterator[bytes]:
+    """Pass the worker's SSE through as it arrives; end cleanly if the worker breaks."""
+    status = "200"
+    buf = b""
+    try:
+        assert up.rest is not None
+        chunk = up.first
+        while True:
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            out = []
+            for ev in events:
+                if b'"usage"' in ev and b'"choices":[]' in ev:
+                    with suppress(ValueError):
+                        _observe_usage(gw, json.loads(ev.removeprefix(b"data: ")).get("usage"))
+                    if not wants_usage:
+                        continue
+                out.append(ev + b"\n\n")
+            if out:
+                yield b"".join(out)
+            try:
+                chunk = await up.rest.__anext__()
+            except StopAsyncIteration:
+                break
+        if buf:
+            yield buf
+    except httpx.HTTPError as exc:
+        status = "502"
+        gw.metrics.stream_errors.inc()
+        log.warning("stream from %s broke after the first byte: %s", up.worker, exc)
+        yield stream_error_event(f"the worker's stream broke: {type(exc).__name__}")
+    finally:
+        await up.close()
+        gw.metrics.requests.labels(endpoint, status, policy).inc()
+        gw.metrics.e2e.observe(time.perf_counter() - t0)

@@ -1,0 +1,169 @@
+"""Which workers exist and how they are doing: Redis registry + heartbeats, and/or a static list.
+
+Every ``interval_s`` the directory rebuilds its view of the workers:
+
+* Redis: ``HGETALL {p}:hosts`` (the registry workers write themselves
+  into), then the heartbeat of each in one pipelined round trip; a worker
+  whose heartbeat expired is gone. Nothing scans the keyspace.
+* Static: ``GET {url}/worker/view`` on each configured URL.
+
+A worker whose block size differs from the gateway's, or whose model the
+gateway has no tokenizer for, is refused with one log line and a metric:
+routing to it would compute keys the worker never produces. A worker that
+failed a dispatch (connection refused, timeout) is benched until a heartbeat
+newer than the failure shows it alive again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from indexer.views import WorkerView
+from indexer.wire import Keyspace, decode_view
+from kvrouter.gateway.metrics import RouterMetrics
+
+__all__ = ["WorkerDirectory"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerDirectory:
+    """The live, routable workers."""
+
+    metrics: RouterMetrics
+    block_size: int
+    models: Collection[str]
+    client: aioredis.Redis | None = None
+    keyspace: Keyspace = field(default_factory=Keyspace)
+    static_urls: list[str] = field(default_factory=list)
+    http: httpx.AsyncClient | None = None
+    interval_s: float = 0.5
+    clock: Callable[[], float] = time.time
+    views: dict[str, WorkerView] = field(default_factory=dict)
+    benched: dict[str, float] = field(default_factory=dict)
+    refused: set[tuple[str, str]] = field(default_factory=set)
+    redis_ok: bool = True
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Refresh in the background."""
+        self._task = asyncio.create_task(self._run(), name="discovery")
+
+    async def stop(self) -> None:
+        """Stop refreshing."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.interval_s)
+
+    async def refresh(self) -> None:
+        """Rebuild the worker set now."""
+        found: dict[str, WorkerView] = {}
+        if self.client is not None:
+            try:
+                found.update(await self._from_redis())
+                self.redis_ok = True
+            except (RedisError, OSError) as exc:
+                if self.redis_ok:
+                    log.warning("discovery: Redis unreachable (%s); keeping known workers", exc)
+                self.metrics.redis_errors.labels("discovery").inc()
+                self.redis_ok = False
+                found.update({h: v for h, v in self.views.items() if h not in found})
+        if self.static_urls:
+            found.update(await self._from_static())
+        accepted = {h: v for h, v in found.items() if self._accept(v)}
+        for host in set(self.views) - set(accepted):
+            self.metrics.worker_up.labels(host).set(0)
+        self.views = accepted
+        for host, view in accepted.items():
+            benched_at = self.benched.get(host)
+            if benched_at is not None and view.ts > benched_at:
+                del self.benched[host]
+            self.metrics.worker_up.labels(host).set(0 if host in self.benched else 1)
+
+    async def _from_redis(self) -> dict[str, WorkerView]:
+        assert self.client is not None
+        raw_hosts: list[bytes] = await self.client.hkeys(self.keyspace.hosts)  # type: ignore[assignment]
+        hosts = [h.decode() for h in raw_hosts]
+        if not hosts:
+            return {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for h in hosts:
+                pipe.get(self.keyspace.heartbeat(h))
+            beats = await pipe.execute()
+        out: dict[str, WorkerView] = {}
+        for raw in beats:
+            if raw is None:
+                continue
+            try:
+                view = decode_view(raw)
+            except ValueError:
+                log.warning("discovery: ignoring an unreadable heartbeat")
+                continue
+            out[view.host] = view
+        return out
+
+    async def _from_static(self) -> dict[str, WorkerView]:
+        assert self.http is not None
+        http = self.http
+
+        async def one(url: str) -> WorkerView | None:
+            try:
+                r = await http.get(f"{url.rstrip('/')}/worker/view", timeout=2.0)
+                r.raise_for_status()
+                view = msgspec.json.decode(r.content, type=WorkerView)
+            except (httpx.HTTPError, msgspec.MsgspecError):
+                return None
+            if not view.url:
+                view.url = url.rstrip("/")
+            return view
+
+        views = await asyncio.gather(*(one(u) for u in self.static_urls))
+        return {v.host: v for v in views if v is not None}
+
+    def _accept(self, view: WorkerView) -> bool:
+        reason = None
+        if view.block_size != self.block_size:
+            reason = f"block size {view.block_size} != the gateway's {self.block_size}"
+        elif view.model not in self.models:
+            reason = f"model {view.model!r} has no tokenizer here (serving {sorted(self.models)})"
+        if reason is None:
+            return True
+        key = (view.host, reason)
+        if key not in self.refused:
+            self.refused.add(key)
+            log.error("refusing worker %s at %s: %s", view.host, view.url, reason)
+            label = "block_size" if reason.startswith("block") else "model"
+            self.metrics.worker_refused.labels(view.host, label).inc()
+        return False
+
+    def bench(self, host: str) -> None:
+        """Stop routing to ``host`` until it heartbeats again after now."""
+        self.benched[host] = self.clock()
+        self.metrics.worker_up.labels(host).set(0)
+
+    def routable(self, model: str) -> list[WorkerView]:
+        """Healthy workers serving ``model``, by name."""
+        return sorted(
+            (v for h, v in self.views.items() if v.model == model and h not in self.benched),
+            key=lambda v: v.host,
+        )
+
+    def served_models(self) -> list[str]:
+        """Models at least one healthy worker serves."""
+        return sorted({v.model for h, v in self.views.items() if h not in self.benched})

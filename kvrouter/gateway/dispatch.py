@@ -1,0 +1,177 @@
+"""Sending a routed request to a worker, with retries before the first byte.
+
+Candidates come best first (``Decision.ranked()``). A connection error, a
+timeout or a 5xx before the worker's first byte moves on to the next one
+(at most ``max_attempts``); a worker that refused the connection is benched
+until it heartbeats again. A worker's 4xx is the client's problem and is
+passed through as is. Once the first byte reached the client the stream is
+committed: a failure after it ends the stream with an OpenAI-style error
+event and ``data: [DONE]``.
+
+Every attempt holds a :class:`~kvrouter.gateway.load.Ticket` on its worker,
+released exactly once whatever happens (success, error, client gone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from engine_worker.protocol import ApiError, error_body
+from kvrouter.gateway.discovery import WorkerDirectory
+from kvrouter.gateway.load import LoadTracker, Ticket
+from kvrouter.gateway.metrics import RouterMetrics
+
+__all__ = ["Dispatcher", "Upstream"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Upstream:
+    """An open response from the worker that took the request."""
+
+    worker: str
+    status: int
+    headers: httpx.Headers
+    first: bytes
+    rest: AsyncIterator[bytes] | None
+    response: httpx.Response | None
+    ticket: Ticket
+    first_byte_at: float
+
+    async def close(self) -> None:
+        """Release the connection and the load ticket."""
+        if self.response is not None:
+            await self.response.aclose()
+        self.ticket.end()
+
+
+class Dispatcher:
+    """Opens upstream responses with bounded retries."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        directory: WorkerDirectory,
+        load: LoadTracker,
+        metrics: RouterMetrics,
+        *,
+        max_attempts: int = 3,
+        connect_timeout_s: float = 2.0,
+        first_byte_timeout_s: float = 300.0,
+        internal_token: str | None = None,
+    ) -> None:
+        self.http = http
+        self.directory = directory
+        self.load = load
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.timeout = httpx.Timeout(
+            connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=30.0
+        )
+        self.internal_token = internal_token
+
+    async def open(
+        self,
+        candidates: list[str],
+        path: str,
+        body: bytes,
+        request_id: str,
+        prefill_tokens: dict[str, int],
+        *,
+        whole: bool,
+    ) -> Upstream:
+        """Send ``body`` to the first candidate that answers; ``whole`` reads the full body.
+
+        Raises:
+            ApiError: 503 when every attempt failed before the first byte.
+        """
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        if self.internal_token:
+            headers["authorization"] = f"Bearer {self.internal_token}"
+        last_reason = "no candidate"
+        for worker in candidates[: self.max_attempts]:
+            view = self.directory.views.get(worker)
+            if view is None or worker in self.directory.benched:
+                continue
+            ticket = self.load.begin(worker, prefill_tokens.get(worker, 0))
+            try:
+                up = await self._attempt(worker, view.url + path, body, headers, ticket, whole)
+            except _RetryableError as exc:
+                ticket.end()
+                last_reason = f"{worker}: {exc.reason}"
+                self.metrics.retries.labels(exc.kind).inc()
+                log.warning("dispatch to %s failed before the first byte: %s", worker, exc.reason)
+                if exc.kind == "connect":
+                    self.directory.bench(worker)
+                continue
+            except BaseException:
+                ticket.end()
+                raise
+            return up
+        raise ApiError(
+            503,
+            f"no worker could take the request ({last_reason})",
+            type_="service_unavailable",
+            code="workers_unavailable",
+        )
+
+    async def _attempt(
+        self, worker: str, url: str, body: bytes, headers: dict[str, str], ticket: Ticket,
+        whole: bool,
+    ) -> Upstream:  # fmt: skip
+        req = self.http.build_request(
+            "POST", url, content=body, headers=headers, timeout=self.timeout
+        )
+        try:
+            resp = await self.http.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _RetryableError("connect", str(exc) or type(exc).__name__) from exc
+        except httpx.TransportError as exc:
+            raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
+        try:
+            if resp.status_code >= 500:
+                text = (await resp.aread())[:200].decode(errors="replace")
+                raise _RetryableError("5xx", f"HTTP {resp.status_code}: {text}")
+            if whole or resp.status_code >= 400:
+                data = await resp.aread()
+                ticket.first_byte()
+                await resp.aclose()
+                return Upstream(worker, resp.status_code, resp.headers, data, None, None, ticket,
+                                time.perf_counter())  # fmt: skip
+            chunks = resp.aiter_raw()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            ticket.first_byte()
+            return Upstream(worker, resp.status_code, resp.headers, first, chunks, resp, ticket,
+                            time.perf_counter())  # fmt: skip
+        except _RetryableError:
+            await resp.aclose()
+            raise
+        except httpx.TransportError as exc:
+            await resp.aclose()
+            raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
+        except BaseException:
+            await resp.aclose()
+            raise
+
+
+class _RetryableError(Exception):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def stream_error_event(message: str) -> bytes:
+    """The SSE events that end a broken stream cleanly."""
+    payload = error_body(message, type_="server_error", code="upstream_failed")
+    return f"data: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode()

@@ -1,0 +1,52 @@
+"""Gateway settings (environment prefix ``KVROUTER_``; the CLI sets the same fields)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["RouterSettings"]
+
+
+class RouterSettings(BaseSettings):
+    """Everything a gateway replica needs.
+
+    Workers are found in the Redis registry their heartbeats write into
+    (``redis_url``), and/or listed in ``workers`` (static URLs).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore")
+
+    bind: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    models: list[str] = Field(
+        default_factory=lambda: ["smollm2"],
+        description="model specs whose tokenizers the gateway loads (smollm2, tiny, a path)",
+    )
+    redis_url: str | None = Field(None, description="Redis of the index and the registry")
+    key_prefix: str = "kvr"
+    workers: list[str] = Field(default_factory=list, description="static worker base URLs")
+    block_size: int = Field(16, ge=1, le=1024)
+    policy: str = "kv_ttft"
+    fallback_policy: str = Field("least_load", description="routing while the index is away")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="client Bearer keys")
+    internal_token: SecretStr | None = Field(None, description="token for worker /kv endpoints")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_prompt_tokens: int = Field(131072, ge=1)
+    max_attempts: int = Field(3, ge=1, le=10, description="dispatch attempts before the first byte")
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_byte_timeout_s: float = Field(300.0, gt=0)
+    discovery_interval_s: float = Field(0.5, gt=0)
+    load_lease_s: float = Field(10.0, gt=0, description="TTL of this replica's shared load counts")
+    load_sync_interval_s: float = Field(0.2, gt=0)
+    replica_id: str = Field("", description="this gateway replica's id; default random")
+    debug_header: str = "x-kvrouter-debug"
+    session_header: str = "x-session-id"
+    seed: int = 0
+
+    @field_validator("workers", "models", "api_keys", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
