@@ -1,0 +1,102 @@
+"""Prometheus metrics of the KV index (``kvindex_`` namespace, injected registry).
+
+Every backend takes an optional :class:`IndexMetrics`; tests build one on a
+fresh ``CollectorRegistry``, a service on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from indexer.events import AllCleared, BlockRemoved, BlockStored, Event
+from indexer.media import Medium
+
+__all__ = ["LOOKUP_BUCKETS", "IndexMetrics"]
+
+#: Lookup latency buckets (seconds): 50 us .. 1 s.
+LOOKUP_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+
+class IndexMetrics:
+    """The index's counters, gauges and histograms.
+
+    Attributes:
+        batches: Batches seen by ``apply``, by ``result`` (applied, duplicate, gap).
+        events: Events applied, by ``kind`` (stored, removed, cleared).
+        blocks: Block events applied (keys of applied stored/removed events).
+        snapshots: Snapshots seen by ``replace``, by ``result`` (replaced, stale).
+        purges: Hosts purged.
+        purged_entries: Entries removed by purges.
+        entries: (block, host) entries per ``medium``, as of the last ``stats``.
+        memory: Bytes the store uses, as of the last ``stats``.
+        lookup_seconds: Latency of ``match``.
+        lookup_blocks: Length of the chains looked up.
+        redis_errors: Redis errors by ``op``.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ns = "kvindex"
+        self.batches = Counter(
+            "batches", "Event batches seen, by result", ["result"], namespace=ns, registry=registry
+        )
+        self.events = Counter(
+            "events_applied", "Events applied, by kind", ["kind"], namespace=ns, registry=registry
+        )
+        self.blocks = Counter(
+            "blocks_applied", "Block events applied", namespace=ns, registry=registry
+        )
+        self.snapshots = Counter(
+            "snapshots", "Snapshots seen, by result", ["result"], namespace=ns, registry=registry
+        )
+        self.purges = Counter("purges", "Hosts purged", namespace=ns, registry=registry)
+        self.purged_entries = Counter(
+            "purged_entries", "Entries removed by purges", namespace=ns, registry=registry
+        )
+        self.entries = Gauge(
+            "entries", "(block, host) entries per medium", ["medium"], namespace=ns,
+            registry=registry,
+        )  # fmt: skip
+        self.memory = Gauge(
+            "memory_bytes", "Memory used by the index store", namespace=ns, registry=registry
+        )
+        self.lookup_seconds = Histogram(
+            "lookup_seconds", "Prefix lookup latency", namespace=ns, registry=registry,
+            buckets=LOOKUP_BUCKETS,
+        )  # fmt: skip
+        self.lookup_blocks = Histogram(
+            "lookup_blocks", "Block keys per lookup", namespace=ns, registry=registry,
+            buckets=(1, 8, 32, 128, 512, 2048, 8192, 32768),
+        )  # fmt: skip
+        self.redis_errors = Counter(
+            "redis_errors", "Redis errors, by operation", ["op"], namespace=ns, registry=registry
+        )
+        for m in Medium:
+            self.entries.labels(medium=m.value)
+        for r in ("applied", "duplicate", "gap"):
+            self.batches.labels(result=r)
+        for k in ("stored", "removed", "cleared"):
+            self.events.labels(kind=k)
+        for r in ("replaced", "stale"):
+            self.snapshots.labels(result=r)
+
+    def record_batch(self, result: str, events: Iterable[Event], blocks: int) -> None:
+        """Count one ``apply``: its result and, if applied, its events and blocks."""
+        self.batches.labels(result=result).inc()
+        if result == "applied":
+            for ev in events:
+                self.events.labels(kind=_KIND[type(ev)]).inc()
+            self.blocks.inc(blocks)
+
+    def record_stats(self, entries: Mapping[Medium, int], memory_bytes: int | None) -> None:
+        """Publish the sizes found by ``stats``."""
+        for m, n in entries.items():
+            self.entries.labels(medium=m.value).set(n)
+        if memory_bytes is not None:
+            self.memory.set(memory_bytes)
+
+
+_KIND: dict[type, str] = {BlockStored: "stored", BlockRemoved: "removed", AllCleared: "cleared"}
