@@ -80,8 +80,13 @@ class ScheduledSeq:
     request: Request
     num_cached: int
     num_new: int
-    block_ids: list[int]
     want_logits: bool
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The request's block table as HBM block ids (built on demand: only the torch
+        runner needs it, and rebuilding it every step costs O(context) per sequence)."""
+        return [b.block_id for b in self.request.block_table]
 
     @property
     def is_decode(self) -> bool:
@@ -281,7 +286,6 @@ class Scheduler:
             request=req,
             num_cached=req.num_computed_tokens,
             num_new=num_new,
-            block_ids=[b.block_id for b in req.block_table],
             want_logits=done,
         )
 

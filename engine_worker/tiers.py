@@ -22,10 +22,20 @@ keeping.
 Copies are synchronous (``non_blocking=False``): the pool reuses a slot
 right after moving its bytes, so an asynchronous copy would race with the
 next write into that slot.
+
+Every copy between media is timed (``time.perf_counter`` around it; a copy
+between two CUDA tensors is the one kind that returns before it is done,
+so that one is followed by a device synchronize) and folded into a
+:class:`TransferStat` per (source, destination) pair. The worker's
+heartbeat publishes :meth:`TierStorage.load_bandwidth` -- measured bytes/s
+from DRAM and SSD into HBM -- which the router's TTFT prediction divides
+a prefix's lower-tier bytes by.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -34,13 +44,63 @@ import torch
 from engine_worker.block_pool import PoolError, TierCapacity
 from engine_worker.kv_layout import KVLayout
 from engine_worker.ssd_tier import SSDEntry, SSDTier
-from indexer.media import Medium
+from indexer.media import MEDIA, Medium
 
-__all__ = ["TierError", "TierStorage"]
+__all__ = ["TierError", "TierStorage", "TransferStat"]
+
+#: Weight of the newest copy in the running averages of :class:`TransferStat`.
+EWMA_ALPHA = 0.05
 
 
 class TierError(PoolError):
     """Bad use of the storage: slot out of range, wrong tensor shape or dtype, missing SSD path."""
+
+
+@dataclass(slots=True)
+class TransferStat:
+    """Copies from one medium to another since the storage was opened.
+
+    The bandwidth is a ratio of two exponentially weighted moving averages,
+    of bytes and of seconds per copy (weight :data:`EWMA_ALPHA` on the newest),
+    that is, bytes over time across roughly the last ``1 / EWMA_ALPHA`` copies.
+    Averaging the ratio instead of each copy's own bytes/s keeps one copy that
+    the timer caught in a few nanoseconds from dominating the estimate.
+
+    Attributes:
+        copies: Blocks copied.
+        bytes: Bytes copied.
+        seconds: Time spent in those copies.
+        avg_bytes: Exponentially weighted bytes per copy.
+        avg_seconds: Exponentially weighted seconds per copy.
+    """
+
+    copies: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    avg_bytes: float = 0.0
+    avg_seconds: float = 0.0
+
+    def add(self, num_bytes: int, seconds: float) -> None:
+        """Fold one copy of ``num_bytes`` bytes that took ``seconds`` in."""
+        if self.copies == 0:
+            self.avg_bytes, self.avg_seconds = float(num_bytes), seconds
+        else:
+            self.avg_bytes += EWMA_ALPHA * (num_bytes - self.avg_bytes)
+            self.avg_seconds += EWMA_ALPHA * (seconds - self.avg_seconds)
+        self.copies += 1
+        self.bytes += num_bytes
+        self.seconds += seconds
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Recent bytes/s (see the class docstring); None before the first copy."""
+        if self.copies == 0 or self.avg_seconds <= 0.0:
+            return None
+        return self.avg_bytes / self.avg_seconds
+
+    def copy(self) -> TransferStat:
+        """An independent copy (the storage keeps counting in its own)."""
+        return TransferStat(self.copies, self.bytes, self.seconds, self.avg_bytes, self.avg_seconds)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -88,15 +148,23 @@ class TierStorage:
         )
         self._staging = torch.empty(layout.block_bytes, dtype=torch.uint8, pin_memory=pin)
         self._ssd = SSDTier(ssd_path, layout, capacity.ssd) if ssd_path and capacity.ssd else None
+        self._stats: dict[tuple[Medium, Medium], TransferStat] = {}
 
     # ---------------------------------------------------------------- block I/O
 
     def copy_block(self, src: Medium, src_id: int, dst: Medium, dst_id: int) -> None:
-        """Copy one block's bytes (all layers) from a slot of ``src`` to a slot of ``dst``."""
+        """Copy one block's bytes (all layers) from a slot of ``src`` to a slot of ``dst``.
+
+        The copy is timed into :meth:`transfer_stats`.
+        """
         self._check(src, src_id)
         self._check(dst, dst_id)
+        t0 = time.perf_counter()
         if src is not Medium.SSD and dst is not Medium.SSD:
-            self._tensor(dst)[dst_id].copy_(self._tensor(src)[src_id])
+            to, frm = self._tensor(dst), self._tensor(src)
+            to[dst_id].copy_(frm[src_id])
+            if to.is_cuda and frm.is_cuda:
+                torch.cuda.synchronize(to.device)
         elif dst is not Medium.SSD:
             self._read_ssd(src_id, self._tensor(dst)[dst_id])
         elif src is not Medium.SSD:
@@ -105,6 +173,34 @@ class TierStorage:
             ssd = self._ssd_tier()
             ssd.read_into(src_id, _as_bytes(self._staging))
             ssd.write_from(dst_id, _as_bytes(self._staging))
+        seconds = time.perf_counter() - t0
+        stat = self._stats.get((src, dst))
+        if stat is None:
+            stat = self._stats[(src, dst)] = TransferStat()
+        stat.add(self.layout.block_bytes, seconds)
+
+    # ------------------------------------------------------------ measurement
+
+    def transfer_stats(self) -> dict[tuple[Medium, Medium], TransferStat]:
+        """Copies measured so far per (source, destination) medium; pairs never used are absent."""
+        return {pair: stat.copy() for pair, stat in self._stats.items()}
+
+    def bandwidth(self, src: Medium, dst: Medium) -> float | None:
+        """Recent measured bytes/s of copies from ``src`` to ``dst``; None before the first."""
+        stat = self._stats.get((src, dst))
+        return stat.bandwidth if stat is not None else None
+
+    def load_bandwidth(self) -> dict[Medium, float]:
+        """Measured bytes/s loading KV into HBM, per lower medium that has loaded any.
+
+        What the worker publishes as ``WorkerView.load_bandwidth``.
+        """
+        out: dict[Medium, float] = {}
+        for medium in MEDIA[1:]:
+            bw = self.bandwidth(medium, Medium.HBM)
+            if bw is not None:
+                out[medium] = bw
+        return out
 
     def read_block(self, medium: Medium, block_id: int) -> torch.Tensor:
         """A CPU copy of one block, shaped ``layout.block_shape``."""

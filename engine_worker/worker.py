@@ -261,14 +261,7 @@ class Worker:
 
     def load_bandwidth(self) -> dict[Medium, float]:
         """Measured bandwidth (bytes/s) moving KV into HBM, per medium, where measured."""
-        out: dict[Medium, float] = {}
-        stats = getattr(self.storage, "bandwidth", None)
-        if stats is not None:
-            for m in (Medium.DRAM, Medium.SSD):
-                bw = stats(m, Medium.HBM)
-                if bw:
-                    out[m] = bw
-        return out
+        return self.storage.load_bandwidth() if self.storage is not None else {}
 
     def view(self) -> WorkerView:
         """This worker as routers see it (heartbeat payload)."""
