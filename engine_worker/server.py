@@ -114,9 +114,11 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         token = settings.internal_token
         if token is None:
             return
-        auth = request.headers.get("authorization", "")
-        given = auth.removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        ok = scheme.lower() == "bearer" and given.strip()
+        if not ok or not hmac.compare_digest(
+            given.strip().encode(), token.get_secret_value().encode()
+        ):
             raise ApiError(401, "a valid internal token is required", type_="authentication_error")
 
     internal = Depends(require_internal)

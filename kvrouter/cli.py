@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import typer
 
+from kvrouter.bench.cli import bench_app
+from kvrouter.commands import serve as serve_command
+from kvrouter.commands import up as up_command
 from kvrouter.commands import worker as worker_command
 
 app = typer.Typer(
@@ -16,13 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-
-
-@app.command()
-def up() -> None:
-    """Start Redis, the indexer, workers and the gateway on this machine."""
-    typer.echo("kvrouter up: not yet -- the gateway arrives with issue 6.")
-    raise typer.Exit(code=1)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()
@@ -34,6 +31,8 @@ def version() -> None:
 
 
 worker_command.register(app)
+serve_command.register(app)
+up_command.register(app)
 
 
 def main() -> None:

@@ -177,8 +177,9 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
     def authorize(request: Request) -> None:
         if not settings.api_keys:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
-        if not any(
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not given or not any(
             hmac.compare_digest(given, k.get_secret_value().encode()) for k in settings.api_keys
         ):
             metrics.auth_failures.inc()

@@ -12,6 +12,11 @@ gateway has no tokenizer for, is refused with one log line and a metric:
 routing to it would compute keys the worker never produces. A worker that
 failed a dispatch (connection refused, timeout) is benched until a heartbeat
 newer than the failure shows it alive again.
+
+A worker whose registry entry exists but whose heartbeat expired is gone
+at once. A worker missing from the registry itself (Redis restarted and
+lost its data; workers re-register on their next beat) is kept for
+``grace_s``, so a Redis restart never empties the pool.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ class WorkerDirectory:
     static_urls: list[str] = field(default_factory=list)
     http: httpx.AsyncClient | None = None
     interval_s: float = 0.5
+    grace_s: float = 5.0
     clock: Callable[[], float] = time.time
     views: dict[str, WorkerView] = field(default_factory=dict)
     benched: dict[str, float] = field(default_factory=dict)
     refused: set[tuple[str, str]] = field(default_factory=set)
+    last_seen: dict[str, float] = field(default_factory=dict)
     redis_ok: bool = True
     _task: asyncio.Task[None] | None = None
 
@@ -74,21 +81,31 @@ class WorkerDirectory:
     async def refresh(self) -> None:
         """Rebuild the worker set now."""
         found: dict[str, WorkerView] = {}
+        now = time.monotonic()
         if self.client is not None:
             try:
-                found.update(await self._from_redis())
-                self.redis_ok = True
+                registered, beating = await self._from_redis()
             except (RedisError, OSError) as exc:
                 if self.redis_ok:
                     log.warning("discovery: Redis unreachable (%s); keeping known workers", exc)
                 self.metrics.redis_errors.labels("discovery").inc()
                 self.redis_ok = False
-                found.update({h: v for h, v in self.views.items() if h not in found})
+                found.update(self.views)
+            else:
+                self.redis_ok = True
+                found.update(beating)
+                for host, view in self.views.items():
+                    lost = host not in registered and host not in found
+                    if lost and now - self.last_seen.get(host, now) < self.grace_s:
+                        found[host] = view
+                for host in beating:
+                    self.last_seen[host] = now
         if self.static_urls:
             found.update(await self._from_static())
         accepted = {h: v for h, v in found.items() if self._accept(v)}
         for host in set(self.views) - set(accepted):
             self.metrics.worker_up.labels(host).set(0)
+            self.last_seen.pop(host, None)
         self.views = accepted
         for host, view in accepted.items():
             benched_at = self.benched.get(host)
@@ -96,12 +113,13 @@ class WorkerDirectory:
                 del self.benched[host]
             self.metrics.worker_up.labels(host).set(0 if host in self.benched else 1)
 
-    async def _from_redis(self) -> dict[str, WorkerView]:
+    async def _from_redis(self) -> tuple[set[str], dict[str, WorkerView]]:
+        """(registered host names, views of those whose heartbeat is alive)."""
         assert self.client is not None
         raw_hosts: list[bytes] = await self.client.hkeys(self.keyspace.hosts)  # type: ignore[assignment]
         hosts = [h.decode() for h in raw_hosts]
         if not hosts:
-            return {}
+            return set(), {}
         async with self.client.pipeline(transaction=False) as pipe:
             for h in hosts:
                 pipe.get(self.keyspace.heartbeat(h))
@@ -116,7 +134,7 @@ class WorkerDirectory:
                 log.warning("discovery: ignoring an unreadable heartbeat")
                 continue
             out[view.host] = view
-        return out
+        return set(hosts), out
 
     async def _from_static(self) -> dict[str, WorkerView]:
         assert self.http is not None

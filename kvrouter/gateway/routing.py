@@ -208,6 +208,9 @@ class Router:
     async def _lookup(self, keys: list[int]) -> dict[str, PrefixMatch] | None:
         if self.index is None:
             return None
+        if not keys:
+            # Nothing to look up (a prompt shorter than a block): no news about the index.
+            return {} if self.index_ok else None
         try:
             matches = await self.index.match(keys)
         except (KVIndexError, OSError) as exc:

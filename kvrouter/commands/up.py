@@ -1,0 +1,117 @@
+"""``kvrouter up``: the whole system on one machine, as one process tree.
+
+    embedded Redis  <- events, heartbeats, index
+    kvrouter indexer            (consumes the workers' event streams)
+    kvrouter worker x N         (ports worker_port, worker_port + 1, ...)
+    kvrouter serve              (the gateway, on --port)
+
+Ctrl-C (or SIGTERM) stops everything: children in reverse order, then
+Redis. Children die with this process even if it is killed.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["register"]
+
+
+def up(
+    workers: Annotated[int, typer.Option(min=1, help="Number of workers")] = 2,
+    runner: Annotated[str, typer.Option(help="torch (real model) | sim (timing model)")] = "torch",
+    model: Annotated[str, typer.Option(help="smollm2 | tiny | .gguf file | HF directory")] = (
+        "smollm2"
+    ),
+    port: Annotated[int, typer.Option(help="Gateway port")] = 8000,
+    worker_port: Annotated[int, typer.Option(help="First worker port")] = 8100,
+    indexer_port: Annotated[int, typer.Option(help="Indexer metrics port")] = 8090,
+    redis: Annotated[str, typer.Option("--redis", help="Use this Redis instead of one")] = "",
+    policy: Annotated[str, typer.Option(help="Routing policy")] = "kv_ttft",
+    hbm_blocks: Annotated[int, typer.Option(help="HBM KV blocks per worker")] = 1024,
+    dram_blocks: Annotated[int, typer.Option(help="DRAM KV blocks per worker")] = 2048,
+    ssd_blocks: Annotated[int, typer.Option(help="SSD KV blocks per worker (0 = off)")] = 0,
+    log_dir: Annotated[Path, typer.Option(help="Where children write their logs")] = Path("var/up"),
+    start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health")] = 600.0,
+) -> None:
+    """Start Redis, the indexer, N workers and the gateway; Ctrl-C stops them all."""
+    from rich.console import Console
+
+    from kvrouter.embedded_redis import EmbeddedRedis
+    from kvrouter.logs import configure_logging
+    from kvrouter.supervisor import Supervisor
+
+    configure_logging("up", "info")
+    console = Console(stderr=True)
+    embedded = None if redis else EmbeddedRedis()
+    if embedded is not None:
+        embedded.start()
+    redis_url = redis or (embedded.url if embedded else "")
+    sup = Supervisor(log_dir)
+    py = [sys.executable, "-m", "kvrouter"]
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        indexer = sup.spawn(
+            "indexer",
+            [*py, "indexer", "--redis", redis_url, "--metrics-port", str(indexer_port)],
+            f"http://127.0.0.1:{indexer_port}/metrics",
+        )
+        pool = []
+        for i in range(workers):
+            wport = worker_port + i
+            args = [
+                *py, "worker", "--model", model, "--runner", runner, "--port", str(wport),
+                "--name", f"worker-{i}", "--redis", redis_url,
+                "--hbm-blocks", str(hbm_blocks), "--dram-blocks", str(dram_blocks),
+            ]  # fmt: skip
+            if ssd_blocks:
+                ssd_dir = log_dir / f"ssd-worker-{i}"
+                args += ["--ssd-blocks", str(ssd_blocks), "--ssd-path", str(ssd_dir)]
+            pool.append(sup.spawn(f"worker-{i}", args, f"http://127.0.0.1:{wport}/health"))
+        gateway = sup.spawn(
+            "gateway",
+            [*py, "serve", "--port", str(port), "--model", model, "--redis", redis_url,
+             "--policy", policy],
+            f"http://127.0.0.1:{port}/ready",
+        )  # fmt: skip
+        with console.status(f"starting {workers} {runner} workers ({model})..."):
+            sup.wait_healthy([indexer, *pool, gateway], start_timeout)
+        console.print(
+            f"[bold green]kvrouter is up[/]: gateway http://127.0.0.1:{port}/v1 "
+            f"({workers} workers, policy {policy}, Redis {redis_url}); logs in {log_dir}/\n"
+            f"Try: curl -s http://127.0.0.1:{port}/v1/models   (Ctrl-C stops everything)"
+        )
+        while not stopping:
+            dead = sup.dead()
+            if any(c in dead for c in (indexer, gateway)):
+                console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping[/]")
+                code = 1
+                break
+            time.sleep(0.5)
+    except (RuntimeError, TimeoutError) as exc:
+        console.print(f"[red]start-up failed:[/] {exc}")
+        code = 1
+    finally:
+        console.print("stopping...")
+        sup.stop_all()
+        if embedded is not None:
+            embedded.close()
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``up`` to the CLI."""
+    app.command("up")(up)

@@ -1,0 +1,217 @@
+"""The gateway's OpenAI API with the official client, its errors, headers and accounting."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import Cluster, run_cluster
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: Any) -> Iterator[Cluster]:
+    redis_server.start()
+    with run_cluster(
+        redis_server.url,
+        workers=2,
+        gateway={
+            "api_keys": ["sk-test"],
+            "max_request_bytes": 64 * 1024,
+            "max_prompt_tokens": 1000,
+        },
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.gateway}/v1", api_key="sk-test", max_retries=0)
+
+
+def wait_unloaded(cluster: Cluster, timeout: float = 15.0) -> str:
+    """Poll the gateway's in-flight gauge until every worker reads 0; returns the metrics text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{cluster.gateway}/metrics").text
+        lines = [ln for ln in text.splitlines() if ln.startswith("kvrouter_worker_in_flight{")]
+        if all(ln.endswith(" 0.0") for ln in lines):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"in-flight counts did not return to 0: {lines}")
+        time.sleep(0.05)
+
+
+def test_chat_and_completions_through_the_openai_client(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens == 5
+    comp = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0)
+    assert comp.choices[0].text
+    assert comp.choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streaming_through_the_openai_client(client: openai.OpenAI) -> None:
+    req: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    messages: list[Any] = [{"role": "user", "content": "Count to three"}]
+    whole = client.chat.completions.create(messages=messages, **req)
+    parts = []
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **req):
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+    assert "".join(parts) == whole.choices[0].message.content
+    comp_parts: list[str] = []
+    stream = client.completions.create(
+        prompt="abc", stream=True, stream_options={"include_usage": True}, **req
+    )
+    usage = None
+    for chunk in stream:
+        comp_parts.extend(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(comp_parts)
+    assert usage is not None
+    assert usage.completion_tokens == 6
+
+
+def test_usage_chunk_is_not_sent_unless_asked(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"{cluster.gateway}/v1/completions", json=body,
+        headers={"authorization": "Bearer sk-test"}, timeout=60,
+    ) as r:  # fmt: skip
+        text = "".join(r.iter_text())
+    assert '"usage"' not in text
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_request_id_is_echoed_and_the_decision_is_explained_on_request(cluster: Cluster) -> None:
+    r = httpx.post(
+        f"{cluster.gateway}/v1/completions",
+        json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
+        headers={
+            "authorization": "Bearer sk-test",
+            "x-request-id": "my-id-42",
+            "x-kvrouter-debug": "1",
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "my-id-42"
+    decision = json.loads(r.headers["x-kvrouter-decision"])
+    assert decision["worker"] == r.headers["x-kvrouter-worker"] in cluster.workers
+    assert decision["policy"] == "kv_ttft"
+    assert set(decision["scores"]) == set(cluster.workers)
+    for terms in decision["scores"].values():
+        assert {"wait_s", "load_s", "prefill_s", "total"} <= set(terms)
+    assert set(decision["timings_s"]) == {"tokenize", "hash", "lookup", "score"}
+    plain = httpx.post(
+        f"{cluster.gateway}/v1/completions",
+        json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
+        headers={"authorization": "Bearer sk-test"},
+        timeout=60,
+    )
+    assert "x-kvrouter-decision" not in plain.headers
+    assert plain.headers["x-request-id"].startswith("req-")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "code"),
+    [
+        (
+            {
+                "content": b'{"model": "tiny", "prompt": ',
+                "headers": {"content-type": "application/json"},
+            },
+            400,
+            None,
+        ),
+        ({"json": {"model": "nope", "prompt": "x"}}, 404, "model_not_found"),
+        ({"json": {"model": MODEL, "prompt": "x" * (70 * 1024)}}, 413, "body_too_large"),
+        ({"json": {"model": MODEL, "prompt": "word " * 1500}}, 400, "prompt_too_long"),
+        ({"json": {"model": MODEL, "prompt": "x", "temperature": 9}}, 400, None),
+        (
+            {"json": {"model": MODEL, "prompt": "x", "max_tokens": 100000}},
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_bad_input_gets_openai_errors(
+    cluster: Cluster, kwargs: dict[str, Any], status: int, code: str | None
+) -> None:
+    headers = {"authorization": "Bearer sk-test", **kwargs.pop("headers", {})}
+    r = httpx.post(f"{cluster.gateway}/v1/completions", headers=headers, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"]
+    assert err["type"]
+    if code:
+        assert err["code"] == code
+    wait_unloaded(cluster)
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", "sk-test"])
+def test_bad_or_missing_api_key_is_refused(cluster: Cluster, auth: str | None) -> None:
+    headers = {"authorization": auth} if auth else {}
+    r = httpx.post(
+        f"{cluster.gateway}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers
+    )
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{cluster.gateway}/v1/models").status_code == 401
+    assert httpx.get(f"{cluster.gateway}/health").status_code == 200
+
+
+def test_no_counter_leaks_after_success_errors_and_disconnects(cluster: Cluster) -> None:
+    auth = {"authorization": "Bearer sk-test"}
+    body = {"model": MODEL, "prompt": "leak check " * 10, "max_tokens": 400, "stream": True}
+    for _ in range(3):
+        with httpx.stream(
+            "POST", f"{cluster.gateway}/v1/completions", json=body, headers=auth, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+    httpx.post(
+        f"{cluster.gateway}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 99999},
+        headers=auth,
+    )
+    httpx.post(
+        f"{cluster.gateway}/v1/completions",
+        json={"model": MODEL, "prompt": "ok", "max_tokens": 2},
+        headers=auth,
+    )
+    text = wait_unloaded(cluster)
+    assert "kvrouter_requests_total" in text
+    for name in cluster.workers:
+        deadline = time.monotonic() + 15
+        while cluster.worker_stats(name)["in_use_blocks"]:
+            assert time.monotonic() < deadline, "worker kept blocks of a disconnected request"
+            time.sleep(0.05)
+
+
+def test_metrics_cover_decisions_ttft_and_health(cluster: Cluster, client: openai.OpenAI) -> None:
+    list(client.completions.create(model=MODEL, prompt="m", max_tokens=2, stream=True))
+    text = httpx.get(f"{cluster.gateway}/metrics").text
+    for name in (
+        'kvrouter_decision_seconds_bucket{le="0.001",stage="lookup"}',
+        "kvrouter_time_to_first_token_seconds_count",
+        "kvrouter_predicted_ttft_seconds_count",
+        "kvrouter_ttft_prediction_ratio_count",
+        'kvrouter_worker_up{worker="w0"} 1.0',
+        "kvrouter_cache_aware_routing 1.0",
+        'kvrouter_requests_total{endpoint="completions",policy="kv_ttft",status="200"}',
+    ):
+        assert name in text, name
