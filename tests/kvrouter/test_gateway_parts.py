@@ -1,0 +1,171 @@
+"""Gateway parts against real Redis and real workers: load leases, discovery rules, affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from engine_worker.server import create_app as create_worker_app
+from indexer.views import WorkerView
+from indexer.wire import Keyspace, encode_view
+from kvrouter.embedded_redis import free_port
+from kvrouter.gateway.affinity import SessionAffinity
+from kvrouter.gateway.discovery import WorkerDirectory
+from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.metrics import RouterMetrics
+from policies.base import Decision
+from tests.support.cluster import worker_settings
+from tests.support.servers import serve_app
+
+
+async def test_replicas_share_load_and_a_dead_replicas_counts_expire(redis_url: str) -> None:
+    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    a = LoadTracker(client=ca, replica_id="a", lease_s=0.5)
+    b = LoadTracker(client=cb, replica_id="b", lease_s=0.5)
+    t1 = a.begin("w0", 1000)
+    t2 = a.begin("w0", 500)
+    await a.sync()
+    await b.sync()
+    assert (b.load("w0").in_flight, b.load("w0").queued_tokens) == (2, 1500)
+    t1.first_byte()
+    t1.first_byte()  # idempotent
+    t2.end()
+    t2.end()  # idempotent
+    await a.sync()
+    await b.sync()
+    assert (b.load("w0").in_flight, b.load("w0").queued_tokens) == (1, 0)
+    # Replica a "crashes" while holding t1: its lease expires and its counts with it.
+    deadline = time.monotonic() + 5
+    while b.load("w0").in_flight:
+        assert time.monotonic() < deadline, "a dead replica's counts never expired"
+        await asyncio.sleep(0.1)
+        await b.sync()
+    t1.end()
+    assert a.load("w0").in_flight == 0
+    assert "w0" not in a.local
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def test_discovery_refuses_mismatched_workers_and_benches_failed_ones(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    ks = Keyspace()
+    metrics = RouterMetrics(CollectorRegistry())
+    for host, bs, model in (
+        ("good", 16, "tiny"),
+        ("odd-block", 32, "tiny"),
+        ("other", 16, "llama"),
+    ):
+        await client.hset(ks.hosts, host, 1)
+        view = WorkerView(
+            host=host, url=f"http://{host}", model=model, block_size=bs, ts=time.time()
+        )
+        await client.set(ks.heartbeat(host), encode_view(view), px=5000)
+    await client.hset(ks.hosts, "dead", 9)  # registered, heartbeat expired
+    d = WorkerDirectory(metrics=metrics, block_size=16, models={"tiny"}, client=client)
+    await d.refresh()
+    assert [v.host for v in d.routable("tiny")] == ["good"]
+    reg = metrics.registry
+    assert (
+        reg.get_sample_value(
+            "kvrouter_worker_refused_total", {"worker": "odd-block", "reason": "block_size"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value(
+            "kvrouter_worker_refused_total", {"worker": "other", "reason": "model"}
+        )
+        == 1
+    )
+    d.bench("good")
+    await d.refresh()
+    assert d.routable("tiny") == []
+    fresh = WorkerView(
+        host="good", url="http://good", model="tiny", block_size=16, ts=time.time() + 1
+    )
+    await client.set(ks.heartbeat("good"), encode_view(fresh), px=5000)
+    await d.refresh()
+    assert [v.host for v in d.routable("tiny")] == ["good"]
+    await client.aclose()
+
+
+async def test_a_wiped_registry_keeps_known_workers_for_a_grace_period(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    ks = Keyspace()
+    view = WorkerView(host="w", url="http://w", model="tiny", block_size=16, ts=time.time())
+    await client.hset(ks.hosts, "w", 1)
+    await client.set(ks.heartbeat("w"), encode_view(view), px=5000)
+    d = WorkerDirectory(
+        metrics=RouterMetrics(CollectorRegistry()),
+        block_size=16,
+        models={"tiny"},
+        client=client,
+        grace_s=0.3,
+    )
+    await d.refresh()
+    await client.flushall()  # what a Redis restart without persistence looks like
+    await d.refresh()
+    assert [v.host for v in d.routable("tiny")] == ["w"]
+    await asyncio.sleep(0.35)
+    await d.refresh()
+    assert d.routable("tiny") == []
+    await client.aclose()
+
+
+def test_static_discovery_reads_the_workers_view(redis_url: str) -> None:
+    port = free_port()
+    with serve_app(create_worker_app(worker_settings("static-w", port, None)), port=port) as url:
+
+        async def check() -> list[WorkerView]:
+            async with httpx.AsyncClient() as http:
+                d = WorkerDirectory(
+                    metrics=RouterMetrics(CollectorRegistry()), block_size=16, models={"tiny"},
+                    static_urls=[url], http=http,
+                )  # fmt: skip
+                await d.refresh()
+                return d.routable("tiny")
+
+        views = asyncio.run(check())
+    assert [(v.host, v.url) for v in views] == [("static-w", url)]
+
+
+@pytest.mark.parametrize("lower_is_better", [True, False])
+def test_session_affinity_is_a_hint_the_scores_can_overrule(lower_is_better: bool) -> None:
+    aff = SessionAffinity(slack=1.25, slack_s=0.0)
+    near = {"a": {"total": 1.0}, "b": {"total": 1.2 if lower_is_better else 0.85}}
+    far = {"a": {"total": 1.0}, "b": {"total": 3.0 if lower_is_better else 0.2}}
+    aff.record("s1", "b", now=0.0)
+    assert (
+        aff.prefer("s1", Decision("a", "p", near, lower_is_better=lower_is_better), now=1.0) == "b"
+    )
+    assert (
+        aff.prefer("s1", Decision("a", "p", far, lower_is_better=lower_is_better), now=1.0) == "a"
+    )
+    assert (
+        aff.prefer("s2", Decision("a", "p", near, lower_is_better=lower_is_better), now=1.0) == "a"
+    )
+    assert (
+        aff.prefer("s1", Decision("a", "p", near, lower_is_better=lower_is_better), now=1e9) == "a"
+    )
+
+
+def test_worker_internal_endpoints_need_the_internal_token() -> None:
+    port = free_port()
+    settings = worker_settings("tok-w", port, None, internal_token="s3cret")
+    with serve_app(create_worker_app(settings), port=port) as url:
+        assert httpx.get(f"{url}/kv/keys").status_code == 401
+        assert (
+            httpx.get(f"{url}/kv/keys", headers={"authorization": "Bearer nope"}).status_code == 401
+        )
+        assert httpx.get(f"{url}/kv/keys", headers={"authorization": "s3cret"}).status_code == 401
+        ok = httpx.get(f"{url}/kv/keys", headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert ok.json()["host"] == "tok-w"
+        # The OpenAI API stays open to the gateway without the token.
+        assert httpx.get(f"{url}/v1/models").status_code == 200
