@@ -50,13 +50,14 @@ log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def build_policy(name: str, seed: int = 0) -> Policy:
+def build_policy(name: str, seed: int = 0, speculative_ttl_s: float = 2.0) -> Policy:
     """A policy configured for the gateway (profile fallback; exact load accounting)."""
     options: dict[str, Any] = {}
     if name in ("kv_ttft", "mooncake_conductor"):
         options["default_profile"] = default_profile()
     if name == "kv_ttft":
         options["speculative_load"] = False
+        options["speculative_ttl_s"] = speculative_ttl_s
     return make_policy(name, seed=seed, **options)
 
 
@@ -137,7 +138,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             directory=directory,
             index=index,
             load=load,
-            policy=build_policy(settings.policy, settings.seed),
+            policy=build_policy(settings.policy, settings.seed, settings.speculative_ttl_s),
             fallback=build_policy(settings.fallback_policy, settings.seed),
             metrics=metrics,
             block_size=settings.block_size,

@@ -29,6 +29,9 @@ class RouterSettings(BaseSettings):
     block_size: int = Field(16, ge=1, le=1024)
     policy: str = "kv_ttft"
     fallback_policy: str = Field("least_load", description="routing while the index is away")
+    speculative_ttl_s: float = Field(
+        2.0, gt=0, description="kv_ttft: how long a routed prefix counts before its events land"
+    )
     api_keys: list[SecretStr] = Field(default_factory=list, description="client Bearer keys")
     internal_token: SecretStr | None = Field(None, description="token for worker /kv endpoints")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)

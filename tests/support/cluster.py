@@ -29,6 +29,7 @@ class Cluster:
 
     gateway: str
     workers: dict[str, str] = field(default_factory=dict)
+    redis_url: str = ""
     stack: ExitStack = field(default_factory=ExitStack)
 
     def worker_stats(self, name: str) -> dict[str, Any]:
@@ -77,5 +78,31 @@ def run_cluster(
         )
         gw = stack.enter_context(serve_app(create_gateway_app(gw_settings), port=gw_port))
         wait_http(f"{gw}/ready", timeout=30)
-        cluster = Cluster(gw, urls, stack)
+        cluster = Cluster(gw, urls, redis_url or "", stack)
         yield cluster
+
+
+@contextmanager
+def run_ingester(redis_url: str) -> Iterator[Any]:
+    """The indexer's ingester, in-process on its own event loop thread."""
+    import asyncio
+    import threading
+
+    from indexer.index.redis_index import RedisIndex
+    from indexer.ingest import IngestConfig, Ingester
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="ingester", daemon=True)
+    thread.start()
+    index = RedisIndex(redis_url)
+    config = IngestConfig(refresh_interval_s=0.1, block_ms=50, dead_check_interval_s=0.5)
+    ingester = Ingester(redis_url, index, config=config)
+    asyncio.run_coroutine_threadsafe(ingester.start(), loop).result(30)
+    try:
+        yield ingester
+    finally:
+        asyncio.run_coroutine_threadsafe(ingester.stop(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(index.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
