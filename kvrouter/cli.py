@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from kvrouter.bench.cli import bench_app
+from kvrouter.commands import indexer as indexer_command
 from kvrouter.commands import serve as serve_command
 from kvrouter.commands import up as up_command
 from kvrouter.commands import worker as worker_command
@@ -33,6 +34,7 @@ def version() -> None:
 worker_command.register(app)
 serve_command.register(app)
 up_command.register(app)
+indexer_command.register(app)
 
 
 def main() -> None:

@@ -198,6 +198,14 @@ class KVIndex(Protocol):
         """Hosts with a cursor, sorted."""
         ...
 
+    async def entries(self, host: str) -> dict[Medium, set[int]]:
+        """Every block ``host`` holds, per medium (every medium present), in O(its blocks).
+
+        Read from the per-host reverse index; the audit compares it with what the
+        worker itself reports.
+        """
+        ...
+
     async def stats(self) -> IndexStats:
         """Entries per medium, hosts and memory used."""
         ...

@@ -162,6 +162,15 @@ class MemoryIndex:
         hid = self.registry.id_of(host, create=False)
         return None if hid is None else self._cursors.get(hid)
 
+    def entries_sync(self, host: str) -> dict[Medium, set[int]]:
+        """The host's blocks per medium (every medium present, possibly empty)."""
+        out: dict[Medium, set[int]] = {m: set() for m in MEDIA}
+        hid = self.registry.id_of(host, create=False)
+        held = self._rev.get(hid) if hid is not None else None
+        for key, rank in (held or {}).items():
+            out[MEDIA[rank]].add(key)
+        return out
+
     def stats_sync(self) -> IndexStats:
         """Entries per medium and hosts with a cursor."""
         entries = dict(zip(MEDIA, self._per_medium, strict=True))
@@ -209,6 +218,10 @@ class MemoryIndex:
     async def hosts(self) -> list[str]:
         """Hosts with a cursor, sorted."""
         return sorted(self.registry.name_of(hid) for hid in self._cursors)
+
+    async def entries(self, host: str) -> dict[Medium, set[int]]:
+        """See :meth:`entries_sync`."""
+        return self.entries_sync(host)
 
     async def stats(self) -> IndexStats:
         """See :meth:`stats_sync`."""

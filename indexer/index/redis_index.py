@@ -82,6 +82,17 @@ def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
+def _reverse_buckets(layout: IndexLayout, keyspace: Keyspace, hid: int) -> Iterator[bytes]:
+    """Names of every reverse bucket of host ``hid``, as ``rev_key`` in common.lua builds them."""
+    nbytes = -(-layout.host_bits // 8)
+    shift = 8 * nbytes - layout.host_bits
+    per_group = 1 << (layout.host_bits - layout.group_bits)
+    for r in range(1 << layout.host_bits):
+        tag = layout.group_tag(r // per_group)
+        head = f"{keyspace.index('')}{{{tag}}}:r:{hid}:".encode()
+        yield head + (r << shift).to_bytes(nbytes, "big")
+
+
 def _is_stale(exc: RedisError) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith("KVINDEX_STALE")
 
@@ -392,6 +403,33 @@ class RedisIndex:
             return sorted(names.values())
 
         with self._guard("hosts"):
+            return await self._fresh(op)
+
+    async def entries(self, host: str) -> dict[Medium, set[int]]:
+        """Every block ``host`` holds, per medium: one pipelined HGETALL of each of its
+        reverse buckets (one round trip per node), O(its buckets + blocks).
+
+        Raises:
+            IndexUnavailableError: Redis failed.
+        """
+
+        async def op(client: Client, registry: RedisHostRegistry) -> dict[Medium, set[int]]:
+            out: dict[Medium, set[int]] = {m: set() for m in MEDIA}
+            hid = await registry.lookup(host)
+            if hid is None:
+                return out
+            pipe = client.pipeline(transaction=False)
+            pipe.get(self._layout_key)
+            for name in _reverse_buckets(self.layout, self.keyspace, hid):
+                pipe.hgetall(name)
+            found, *buckets = await pipe.execute()
+            self._check(found)
+            for bucket in buckets:
+                for key, rank in bucket.items():
+                    out[MEDIA[int(rank)]].add(int.from_bytes(key, "big"))
+            return out
+
+        with self._guard("entries"):
             return await self._fresh(op)
 
     async def stats(self) -> IndexStats:

@@ -507,3 +507,30 @@ async def test_cluster_batch_cut_between_nodes_is_finished_by_a_replay(
         assert (await idx.stats()).entries == (await model.stats()).entries
     finally:
         await idx.close()
+
+
+# -- entries (the audit's view of one host) -------------------------------------
+
+
+async def test_entries_list_a_hosts_blocks_per_medium(index: KVIndex) -> None:
+    empty: dict[Medium, set[int]] = {HBM: set(), DRAM: set(), SSD: set()}
+    assert await index.entries("a") == empty
+    await index.apply(batch("a", 1, stored(1, 2, 3, 0, U64_MAX, 2**63), stored(4, medium=SSD)))
+    await index.apply(batch("b", 1, stored(1, 5, medium=DRAM)))
+    await index.apply(batch("a", 2, stored(2, medium=DRAM), removed(3)))
+    assert await index.entries("a") == {HBM: {0, 1, U64_MAX, 2**63}, DRAM: {2}, SSD: {4}}
+    assert await index.entries("b") == {HBM: set(), DRAM: {1, 5}, SSD: set()}
+    await index.replace(Snapshot("a", 7, 5, 0.0, {SSD: [9, 1]}))
+    assert await index.entries("a") == {HBM: set(), DRAM: set(), SSD: {1, 9}}
+    await index.purge("b")
+    assert await index.entries("b") == empty
+    assert await index.entries("never-seen") == empty
+
+
+async def test_entries_cover_every_reverse_bucket(index: KVIndex) -> None:
+    keys = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 300)]
+    await index.apply(batch("a", 1, stored(*keys[:200]), stored(*keys[200:], medium=DRAM)))
+    await index.apply(batch("b", 1, stored(*keys[::2], medium=SSD)))
+    got = await index.entries("a")
+    assert got == {HBM: set(keys[:200]), DRAM: set(keys[200:]), SSD: set()}
+    assert (await index.entries("b"))[SSD] == set(keys[::2])

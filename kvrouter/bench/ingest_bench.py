@@ -1,0 +1,159 @@
+"""Ingest rate through the ingester (the ``kvrouter indexer`` path) beside direct ``apply``.
+
+``python -m kvrouter.bench.ingest_bench`` builds the same event batches for
+N synthetic hosts as :mod:`kvrouter.bench.index_bench` (3/4 new blocks
+stored, 1/4 earlier ones removed, in order per host) and measures, on a
+fresh default-configured ``redis-server`` each round, alternating:
+
+* direct: ``RedisIndex.apply`` of every batch, hosts concurrently, each in
+  order (what index_bench's ingest figure measures);
+* ingester: the hosts registered with a live heartbeat, their streams
+  pre-filled with the encoded batches (XADD, as workers publish them), then
+  one :class:`~indexer.ingest.Ingester` timed over the rounds
+  (:meth:`~indexer.ingest.Ingester.step`, what its task loops on) until it
+  has applied every batch: registry read, lease, XREAD, decode, apply,
+  position writes -- the service's whole path.
+
+Each keeps its best round (the machine is shared); the ratio comes from one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import redis.asyncio as aioredis
+import typer
+from prometheus_client import CollectorRegistry
+from rich.console import Console
+
+from indexer.events import BlockRemoved, BlockStored, EventBatch, encode_message
+from indexer.index import RedisIndex
+from indexer.index.base import batch_blocks
+from indexer.ingest import IngestConfig, Ingester
+from indexer.ingest_metrics import IngestMetrics
+from indexer.media import Medium
+from indexer.registry import RedisHostRegistry
+from indexer.wire import EVENT_FIELD, Keyspace
+from kvrouter.bench.index_bench import Row, render
+from kvrouter.embedded_redis import EmbeddedRedis
+
+__all__ = ["main", "make_batches", "run"]
+
+
+def make_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list[list[EventBatch]]:
+    """Per host, ``batches`` batches in order: 3/4 new blocks stored, 1/4 earlier ones removed."""
+    rng = random.Random(seed)
+    out = []
+    for h in range(hosts):
+        held: list[int] = []
+        mine = []
+        for seq in range(1, batches + 1):
+            n_remove = min(len(held), per_batch // 4)
+            gone = [held.pop(rng.randrange(len(held))) for _ in range(n_remove)]
+            new = [rng.getrandbits(64) for _ in range(per_batch - n_remove)]
+            held += new
+            events: list[BlockStored | BlockRemoved] = [BlockStored(new, None, Medium.HBM)]
+            if gone:
+                events.append(BlockRemoved(gone, Medium.HBM))
+            mine.append(EventBatch(f"worker-{h}", 1, seq, time.time(), list(events)))
+        out.append(mine)
+    return out
+
+
+async def direct_rate(work: list[list[EventBatch]]) -> float:
+    """Block-events/s of RedisIndex.apply, hosts concurrently, each in order."""
+    events = sum(batch_blocks(b) for hb in work for b in hb)
+    with EmbeddedRedis() as server:
+        client = aioredis.Redis.from_url(server.url, max_connections=len(work) + 4)
+        index = RedisIndex(client)
+        await index.stats()
+
+        async def host_loop(host_batches: list[EventBatch]) -> None:
+            for b in host_batches:
+                await index.apply(b)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(host_loop(hb) for hb in work))
+        elapsed = time.perf_counter() - start
+        await client.aclose()
+    return events / elapsed
+
+
+async def ingester_rate(work: list[list[EventBatch]], read_count: int) -> float:
+    """Block-events/s of one ingester draining pre-filled streams into a Redis index."""
+    events = sum(batch_blocks(b) for hb in work for b in hb)
+    total = sum(len(hb) for hb in work)
+    keyspace = Keyspace()
+    with EmbeddedRedis() as server:
+        client = aioredis.Redis.from_url(server.url)
+        registry = RedisHostRegistry(client, keyspace)
+        for host_batches in work:
+            host = host_batches[0].host
+            await registry.get_or_create(host)
+            await client.set(keyspace.heartbeat(host), b"bench", px=3_600_000)
+            pipe = client.pipeline(transaction=False)
+            for b in host_batches:
+                pipe.xadd(keyspace.events(host), {EVENT_FIELD: encode_message(b)})
+            await pipe.execute()
+        index = RedisIndex(server.url, keyspace)
+        await index.stats()
+        metrics = IngestMetrics(CollectorRegistry())
+        config = IngestConfig(replica_id="bench", read_count=read_count, block_ms=20)
+        ingester = Ingester(server.url, index, keyspace=keyspace, config=config, metrics=metrics)
+        start = time.perf_counter()
+        while metrics.batch_count("applied") < total:
+            await ingester.step()
+        elapsed = time.perf_counter() - start
+        await ingester.stop()
+        await index.close()
+        await client.aclose()
+    return events / elapsed
+
+
+async def run(hosts: int = 64, batches: int = 30, per_batch: int = 128, read_count: int = 256,
+              repeat: int = 3, seed: int = 1) -> list[Row]:  # fmt: skip
+    """Both paths, alternating ``repeat`` times on fresh servers; each keeps its best round."""
+    work = make_batches(hosts, batches, per_batch, seed)
+    rounds = [
+        (await ingester_rate(work, read_count), await direct_rate(work)) for _ in range(repeat)
+    ]
+    ours = max(r[0] for r in rounds)
+    direct = max(r[1] for r in rounds)
+    label = (
+        f"ingester (XREAD {read_count}/stream, decode, apply, positions), {hosts} hosts' streams "
+        f"pre-filled with {batches} batches of {per_batch} block events (best of {repeat})"
+    )
+    return [
+        Row("ingest", label, "block-events/s", ours, direct,
+            "RedisIndex.apply directly, hosts concurrently"),
+    ]  # fmt: skip
+
+
+def main(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write rows here.")] = None,
+    hosts: Annotated[int, typer.Option(help="Synthetic hosts (streams).")] = 64,
+    batches: Annotated[int, typer.Option(help="Batches per host.")] = 30,
+    per_batch: Annotated[int, typer.Option(help="Block events per batch.")] = 128,
+    read_count: Annotated[int, typer.Option(help="Entries per stream per XREAD.")] = 256,
+    repeat: Annotated[int, typer.Option(help="Rounds of each path (best kept).")] = 3,
+    seed: Annotated[int, typer.Option(help="Random seed of the generated events.")] = 1,
+) -> None:
+    """Measure the ingester's block-events/s beside direct apply, same events, same run."""
+    started = time.perf_counter()
+    rows = asyncio.run(run(hosts, batches, per_batch, read_count, repeat, seed))
+    console = Console()
+    console.print(render(rows))
+    console.print(f"total {time.perf_counter() - started:.1f} s")
+    if json_path is not None:
+        payload = [{**asdict(r), "ratio": r.ratio} for r in rows]
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
