@@ -1,0 +1,207 @@
+"""``kvrouter bench``: generate workloads, replay traces in the offline simulator, run the suite.
+
+::
+
+    kvrouter bench gen chat --out chat.jsonl --seed 1 --sessions 200 --turns 6
+    kvrouter bench sim --trace chat.jsonl --workers 8 --policies all --json out.json --plots plots/
+    kvrouter bench suite --out-dir docs/plots
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+from kvrouter.bench.simulator import SimConfig, SimulationError
+from kvrouter.bench.suite import compare_policies, describe_trace, parse_policies, run_suite
+from kvrouter.bench.trace import TraceError, TraceRecord, read_trace, write_trace
+from kvrouter.bench.workloads import (
+    AgentWorkload,
+    ChatWorkload,
+    GroupsWorkload,
+    Workload,
+    WorkloadError,
+    generate,
+)
+
+__all__ = ["bench_app"]
+
+bench_app = typer.Typer(
+    help="Benchmarks: workload generators, the offline simulator, the policy suite.",
+    no_args_is_help=True,
+)
+gen_app = typer.Typer(help="Write a synthetic workload as a trace file.", no_args_is_help=True)
+bench_app.add_typer(gen_app, name="gen")
+
+Out = Annotated[Path, typer.Option("--out", help="Trace file to write (JSON lines).")]
+Seed = Annotated[int, typer.Option(help="Random seed; the same seed gives the same trace.")]
+
+
+def _write(workload: Workload, out: Path, seed: int) -> None:
+    try:
+        records = generate(workload, seed)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    write_trace(out, records)
+    _console().print(f"wrote {out}: {describe_trace(records)}")
+
+
+def _build(cls: type[Workload], **values: object) -> Workload:
+    try:
+        return cls(**values)  # type: ignore[arg-type]
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+@gen_app.command("chat")
+def gen_chat(
+    out: Out,
+    seed: Seed = 0,
+    sessions: Annotated[int, typer.Option(help="Sessions.")] = 200,
+    turns: Annotated[int, typer.Option(help="Turns per session.")] = 6,
+    system_tokens: Annotated[int, typer.Option(help="Shared system prompt.")] = 1024,
+    user_tokens: Annotated[int, typer.Option(help="Mean user message.")] = 256,
+    answer_tokens: Annotated[int, typer.Option(help="Mean answer.")] = 256,
+    think_time_s: Annotated[float, typer.Option(help="Mean time between turns.")] = 20.0,
+    session_rate: Annotated[float, typer.Option(help="Sessions started per second.")] = 2.0,
+) -> None:
+    """Multi-turn chat: each turn's prompt is the whole history plus a new message."""
+    values = dict(locals())
+    del values["out"], values["seed"]
+    _write(_build(ChatWorkload, **values), out, seed)
+
+
+@gen_app.command("groups")
+def gen_groups(
+    out: Out,
+    seed: Seed = 0,
+    groups: Annotated[int, typer.Option(help="Groups, each with a system prompt.")] = 16,
+    users: Annotated[int, typer.Option(help="Users (questions) per group.")] = 16,
+    system_tokens: Annotated[int, typer.Option(help="Group system prompt.")] = 4096,
+    question_tokens: Annotated[int, typer.Option(help="Question.")] = 256,
+    output_tokens: Annotated[int, typer.Option(help="Mean answer.")] = 128,
+    rate: Annotated[float, typer.Option(help="Requests per second.")] = 20.0,
+    requests: Annotated[int, typer.Option(help="Requests.")] = 2000,
+) -> None:
+    """Shared-prefix groups: a group system prompt plus each user's question."""
+    values = dict(locals())
+    del values["out"], values["seed"]
+    _write(_build(GroupsWorkload, **values), out, seed)
+
+
+@gen_app.command("agent")
+def gen_agent(
+    out: Out,
+    seed: Seed = 0,
+    agents: Annotated[int, typer.Option(help="Agents.")] = 32,
+    steps: Annotated[int, typer.Option(help="Model calls per agent.")] = 20,
+    system_tokens: Annotated[int, typer.Option(help="Shared tool definitions.")] = 2048,
+    context_min: Annotated[int, typer.Option(help="Smallest first prompt.")] = 8192,
+    context_max: Annotated[int, typer.Option(help="Largest first prompt.")] = 32768,
+    tool_tokens_min: Annotated[int, typer.Option(help="Smallest tool output.")] = 100,
+    tool_tokens_max: Annotated[int, typer.Option(help="Largest tool output.")] = 600,
+    output_tokens: Annotated[int, typer.Option(help="Mean answer.")] = 64,
+    step_interval_s: Annotated[float, typer.Option(help="Mean time between steps.")] = 4.0,
+    agent_rate: Annotated[float, typer.Option(help="Agents started per second.")] = 0.5,
+) -> None:
+    """Agent loops: long contexts growing by tool output, short answers, many steps."""
+    values = dict(locals())
+    del values["out"], values["seed"]
+    _write(_build(AgentWorkload, **values), out, seed)
+
+
+def _console() -> Console:
+    """The terminal's console; a wide one when writing to a file or pipe (the table has 15
+    columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=170)
+
+
+def _load(trace: Path, limit: int | None) -> list[TraceRecord]:
+    try:
+        records = read_trace(trace, limit=limit)
+    except TraceError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from exc
+    if not records:
+        raise typer.BadParameter(f"{trace} holds no request", param_hint="--trace")
+    return records
+
+
+@bench_app.command("sim")
+def sim(
+    trace: Annotated[Path, typer.Option(help="Trace file (Mooncake JSON lines).")],
+    workers: Annotated[int, typer.Option(help="Simulated workers.")] = 8,
+    policies: Annotated[str, typer.Option(help="'all' or comma-separated names.")] = "all",
+    time_scale: Annotated[float, typer.Option(help="Arrival rate multiplier.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    model: Annotated[str, typer.Option(help="Model name (root of block keys).")] = "llama3-8b",
+    profile: Annotated[str, typer.Option(help="Packaged profile name or file.")] = DEFAULT_PROFILE,
+    hbm_blocks: Annotated[int | None, typer.Option(help="HBM blocks/worker [H100].")] = None,
+    dram_blocks: Annotated[int | None, typer.Option(help="DRAM blocks/worker [64 GB].")] = None,
+    ssd_blocks: Annotated[int | None, typer.Option(help="SSD blocks/worker [256 GB].")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Requests per step.")] = 256,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Step token budget [profile's].")
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context [trace's max].")] = None,
+    event_delay_ms: Annotated[float, typer.Option(help="Event-to-index delay.")] = 10.0,
+    view_interval_ms: Annotated[float, typer.Option(help="Heartbeat period (0: exact).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the policies and epochs.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
+    plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
+) -> None:
+    """Replay a trace on a simulated cluster with every chosen policy and compare them."""
+    records = _load(trace, limit)
+    try:
+        names = parse_policies(policies)
+        timing = load_profile(profile)
+        config = SimConfig(
+            workers=workers,
+            block_size=block_size,
+            model=model,
+            profile=timing,
+            hbm_blocks=hbm_blocks,
+            dram_blocks=dram_blocks,
+            ssd_blocks=ssd_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            event_delay_s=event_delay_ms / 1e3,
+            view_interval_s=view_interval_ms / 1e3,
+            time_scale=time_scale,
+            seed=seed,
+        )
+        config.capacity()
+    except (ValueError, ProfileError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console = _console()
+    console.print(f"{trace}: {describe_trace(records)}")
+    try:
+        compare_policies(
+            records,
+            names,
+            config,
+            console=console,
+            label=trace.stem,
+            json_path=json_out,
+            plots=plots,
+        )
+    except SimulationError as exc:
+        console.print(f"[red]simulation failed:[/red] {exc}")
+        raise typer.Exit(code=1) from exc
+
+
+@bench_app.command("suite")
+def suite(
+    out_dir: Annotated[Path, typer.Option(help="Directory for plots and JSON.")] = Path(
+        "docs/plots"
+    ),
+    quick: Annotated[bool, typer.Option(help="Tiny traces (a smoke run).")] = False,
+) -> None:
+    """Every policy on chat, groups and agent workloads at three loads (the issue-5 figures)."""
+    run_suite(out_dir, console=_console(), quick=quick)

@@ -1,0 +1,267 @@
+"""The benchmark report: per-request records in, per-policy figures, a table, JSON and plots out.
+
+The offline simulator (``kvrouter bench sim``) and the online replay against
+a live cluster (``kvrouter bench live``) both produce
+:class:`RequestRecord` lists and per-worker busy time, and both call
+:func:`summarize`, so the two reports agree field for field.
+
+Definitions (all times in seconds; a policy's makespan runs from the first
+arrival to the last finish):
+
+* TTFT: first token time minus arrival.
+* TPOT (time per output token): ``(finish - first token) / (output tokens - 1)``
+  over requests with at least two output tokens.
+* throughput: completed requests, and output tokens, per second of makespan.
+* hit rate: prompt tokens served from a prefix cache over prompt tokens, overall
+  and per medium the hit was found on (HBM, DRAM, SSD).
+* load imbalance: coefficient of variation (population standard deviation over
+  mean) of the workers' busy time.
+* oracle: :mod:`kvrouter.bench.oracle`'s bound, and the hit rate as a ratio to it.
+
+Percentiles interpolate linearly between order statistics (numpy's default).
+Plots use matplotlib's object API on the Agg canvas (no display, no global state),
+imported when a plot is drawn so that the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from indexer.media import MEDIA
+from kvrouter.bench.oracle import OracleBound
+
+__all__ = [
+    "BenchReport",
+    "PolicySummary",
+    "RequestRecord",
+    "plot_hit_rates",
+    "plot_ttft_cdf",
+    "render_table",
+    "summarize",
+    "write_json",
+]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one replayed request did.
+
+    Attributes:
+        index: Position of the request in the trace.
+        worker: Host that served it.
+        arrival_s: Arrival time.
+        prompt_tokens: Prompt length.
+        first_token_s: When its first output token was produced (None if never).
+        finish_s: When it finished (None if it did not).
+        output_tokens: Tokens generated.
+        cached_tokens: Prompt tokens served from cache on (hbm, dram, ssd).
+        preemptions: Times it was preempted and recomputed.
+        predicted_ttft_s: The policy's TTFT prediction, when it makes one.
+    """
+
+    index: int
+    worker: str
+    arrival_s: float
+    prompt_tokens: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    output_tokens: int = 0
+    cached_tokens: tuple[int, int, int] = (0, 0, 0)
+    preemptions: int = 0
+    predicted_ttft_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, or None if no token came."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time between output tokens after the first, or None (fewer than 2 tokens)."""
+        if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+class PolicySummary(msgspec.Struct, kw_only=True):
+    """One policy's figures over one run (see the module docstring for definitions)."""
+
+    policy: str
+    requests: int
+    completed: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tpot_mean_s: float
+    tpot_p90_s: float
+    makespan_s: float
+    throughput_rps: float
+    output_tps: float
+    hit_rate: float
+    hit_rate_by_medium: dict[str, float]
+    load_cv: float
+    busy_s: dict[str, float]
+    preemptions: int
+    oracle_hit_rate: float | None = None
+    hit_vs_oracle: float | None = None
+
+
+class BenchReport(msgspec.Struct, kw_only=True):
+    """A whole run: what was replayed, on what, the oracle and every policy's summary."""
+
+    trace: str
+    config: dict[str, object]
+    oracle: dict[str, float] | None
+    summaries: list[PolicySummary]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def summarize(
+    policy: str,
+    records: Sequence[RequestRecord],
+    busy_s: Mapping[str, float],
+    oracle: OracleBound | None = None,
+) -> PolicySummary:
+    """Reduce one policy's records and busy times to its figures."""
+    done = [r for r in records if r.finish_s is not None]
+    ttft = [t for r in records if (t := r.ttft_s) is not None]
+    tpot = [t for r in records if (t := r.tpot_s) is not None]
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.finish_s for r in done if r.finish_s is not None), default=start)
+    makespan = end - start
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = [sum(r.cached_tokens[m.rank] for r in records) for m in MEDIA]
+    by_medium = {m.value: (cached[m.rank] / prompt if prompt else 0.0) for m in MEDIA}
+    hit = sum(cached) / prompt if prompt else 0.0
+    busy = np.array(list(busy_s.values()), dtype=float)
+    cv = float(busy.std() / busy.mean()) if busy.size and busy.mean() > 0 else 0.0
+    rate = oracle.hit_rate if oracle is not None else None
+    return PolicySummary(
+        policy=policy,
+        requests=len(records),
+        completed=len(done),
+        ttft_mean_s=_mean(ttft),
+        ttft_p50_s=_pct(ttft, 50),
+        ttft_p90_s=_pct(ttft, 90),
+        ttft_p99_s=_pct(ttft, 99),
+        tpot_mean_s=_mean(tpot),
+        tpot_p90_s=_pct(tpot, 90),
+        makespan_s=makespan,
+        throughput_rps=len(done) / makespan if makespan > 0 else 0.0,
+        output_tps=sum(r.output_tokens for r in done) / makespan if makespan > 0 else 0.0,
+        hit_rate=hit,
+        hit_rate_by_medium=by_medium,
+        load_cv=cv,
+        busy_s=dict(busy_s),
+        preemptions=sum(r.preemptions for r in records),
+        oracle_hit_rate=rate,
+        hit_vs_oracle=(hit / rate if rate else None),
+    )
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:,.0f}"
+
+
+def render_table(summaries: Sequence[PolicySummary], console: Console, title: str = "") -> None:
+    """Print one row per policy: latency (ms), throughput, hit rates, imbalance."""
+    table = Table(title=title or None, show_lines=False)
+    for name in ("policy", "TTFT mean", "p50", "p90", "p99", "TPOT mean", "p90"):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for name in ("req/s", "out tok/s", "hit", "hbm", "dram", "ssd", "busy CV", "hit/oracle"):
+        table.add_column(name, justify="right")
+    for s in summaries:
+        ratio = "-" if s.hit_vs_oracle is None else f"{s.hit_vs_oracle:.2f}"
+        table.add_row(
+            s.policy,
+            _ms(s.ttft_mean_s),
+            _ms(s.ttft_p50_s),
+            _ms(s.ttft_p90_s),
+            _ms(s.ttft_p99_s),
+            _ms(s.tpot_mean_s),
+            _ms(s.tpot_p90_s),
+            f"{s.throughput_rps:.2f}",
+            f"{s.output_tps:,.0f}",
+            f"{s.hit_rate:.1%}",
+            *(f"{s.hit_rate_by_medium[m.value]:.1%}" for m in MEDIA),
+            f"{s.load_cv:.2f}",
+            ratio,
+        )
+    console.print(table)
+
+
+def write_json(report: BenchReport, path: str | Path) -> Path:
+    """Write the report as indented JSON (NaN, for an empty statistic, becomes null)."""
+    target = Path(path)
+    target.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+    return target
+
+
+def plot_ttft_cdf(
+    ttfts: Mapping[str, Sequence[float]], path: str | Path, title: str = "TTFT"
+) -> Path:
+    """One empirical CDF of TTFT per policy, log-scaled time axis, as a PNG."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, values in ttfts.items():
+        if not values:
+            continue
+        xs = np.sort(np.asarray(values, dtype=float))
+        ys = np.arange(1, len(xs) + 1) / len(xs)
+        ax.step(np.maximum(xs, 1e-3), ys, where="post", label=policy, linewidth=1.4)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    target = Path(path)
+    fig.savefig(target, dpi=90)
+    return target
+
+
+def plot_hit_rates(
+    summaries: Sequence[PolicySummary],
+    path: str | Path,
+    oracle: OracleBound | None = None,
+    title: str = "prefix hit rate",
+) -> Path:
+    """Hit rate per policy, stacked by medium, with the oracle bound as a line, as a PNG."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    names = [s.policy for s in summaries]
+    bottom = np.zeros(len(summaries))
+    for m, color in zip(MEDIA, ("#2b6cb0", "#68a0d8", "#b7cde8"), strict=True):
+        part = np.array([s.hit_rate_by_medium[m.value] for s in summaries])
+        ax.bar(names, part, bottom=bottom, label=m.value, color=color)
+        bottom += part
+    if oracle is not None:
+        ax.axhline(oracle.hit_rate, color="#c53030", linestyle="--", label="oracle (one LRU)")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("prompt tokens served from cache")
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    target = Path(path)
+    fig.savefig(target, dpi=90)
+    return target

@@ -1,0 +1,487 @@
+"""Offline discrete-event replay of a trace on a simulated cluster, with the real cores.
+
+Each worker is the code a live ``sim`` worker runs: a metadata-only
+:class:`~engine_worker.block_pool.BlockPool` with the configured tiers, the
+:class:`~engine_worker.scheduler.Scheduler` and the
+:class:`~engine_worker.runners.sim.SimRunner`, whose step durations come from
+the timing profile. One :class:`~indexer.index.memory.MemoryIndex` is fed the
+workers' real events and the real policy routes every request. Only the clock
+is virtual: a heap of step completions merged with the trace's arrivals::
+
+    arrival at t:  deliver index batches due by t -> views -> index.match(keys)
+                   -> policy.choose -> scheduler.add; an idle worker starts a step
+    step start:    plan = scheduler.schedule(); d = runner.execute(plan).duration_s
+    step end t+d:  scheduler.update(plan) -> first tokens, finishes;
+                   pool.take_events() -> EventBatch(host, epoch, seq + 1), delivered
+                   to the index at t + d + event_delay; next step if work remains
+
+A step end at the same instant as an arrival is processed first.
+
+Worker views. With ``view_interval_s == 0`` every routing sees each worker's
+state at that instant (running, waiting, queued prefill tokens, KV usage,
+profile; ``ts`` = now). With ``view_interval_s > 0`` views are heartbeats taken
+every interval; between two of them the router overlays its own accounting, as
+``indexer.views.WorkerView`` describes: ``in_flight`` is exact (the gateway sees
+every dispatch and every response end), and each request routed since the
+heartbeat adds one ``waiting`` and its prompt to ``queued_prefill_tokens``.
+
+Requests hold the keys the router computed (``indexer.keys.block_keys`` from
+the same root), so a prompt is hashed once per replay, as its tokens are known.
+The index is driven through its synchronous core (``MemoryIndex.apply_sync`` /
+``match_sync``), which its async methods wrap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine_worker.block_pool import BlockPool, TierCapacity
+from engine_worker.profiles import default_profile
+from engine_worker.request import Request, SamplingParams
+from engine_worker.runners.base import StepResult
+from engine_worker.runners.sim import SimRunner
+from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerPlan
+from indexer.events import EventBatch
+from indexer.index.base import ApplyStatus
+from indexer.index.memory import MemoryIndex
+from indexer.keys import root_parent
+from indexer.media import MEDIA, Medium
+from indexer.profile import TimingProfile
+from indexer.views import WorkerView
+from kvrouter.bench.oracle import OracleBound, oracle_bound
+from kvrouter.bench.report import RequestRecord
+from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
+from policies.base import Policy, RouteRequest
+
+__all__ = [
+    "SimConfig",
+    "SimResult",
+    "SimulationError",
+    "blocks_for_bytes",
+    "simulate",
+    "trace_oracle",
+]
+
+#: Default tier sizes per worker, in bytes: an 80 GB H100 at vLLM's 0.9 memory
+#: utilization minus Llama-3-8B's 16 GB of bf16 weights (56 GB of KV, ~26.7K
+#: blocks at B=16); 64 GB of host DRAM and 256 GB of NVMe. A real node has more
+#: DRAM and SSD; these bound the pool's metadata so a replay stays fast.
+HBM_KV_BYTES = 80e9 * 0.9 - 16e9
+DRAM_KV_BYTES = 64e9
+SSD_KV_BYTES = 256e9
+
+
+class SimulationError(RuntimeError):
+    """The replay cannot proceed (a request that never fits, a policy naming no worker...)."""
+
+
+def blocks_for_bytes(num_bytes: float, profile: TimingProfile, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that ``num_bytes`` of KV memory hold under ``profile``."""
+    return int(num_bytes // (profile.kv_bytes_per_token * block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A simulated cluster.
+
+    Attributes:
+        workers: Workers (hosts ``w0``, ``w1``... zero-padded).
+        block_size: Tokens per KV block (B).
+        model: Served model name (the root of the block keys).
+        profile: Timing profile of every worker.
+        hbm_blocks: HBM blocks per worker (None: :data:`HBM_KV_BYTES` worth).
+        dram_blocks: DRAM blocks per worker (None: :data:`DRAM_KV_BYTES` worth; 0: no tier).
+        ssd_blocks: SSD blocks per worker (None: :data:`SSD_KV_BYTES` worth; 0: no tier).
+        max_num_seqs: Requests per step at most.
+        max_num_batched_tokens: Step token budget (None: the profile's); the profile
+            the policies see is given the same budget.
+        max_model_len: Longest prompt + output (None: the trace's longest).
+        event_delay_s: Virtual delay from a step's end to its events reaching the index.
+        view_interval_s: Heartbeat period of worker views (0: exact views at each routing).
+        time_scale: Arrival rate multiplier (see :func:`kvrouter.bench.trace.arrival_times`).
+        seed: Seeds the policies and the workers' epochs.
+        vocab_size: Token ids of the replayed prompts and of generated tokens.
+    """
+
+    workers: int = 8
+    block_size: int = 16
+    model: str = "llama3-8b"
+    profile: TimingProfile = field(default_factory=default_profile)
+    hbm_blocks: int | None = None
+    dram_blocks: int | None = None
+    ssd_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    event_delay_s: float = 0.010
+    view_interval_s: float = 0.0
+    time_scale: float = 1.0
+    seed: int = 0
+    vocab_size: int = 32000
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("workers, block_size and max_num_seqs must be >= 1")
+        if self.hbm_blocks is not None and self.hbm_blocks < 1:
+            raise ValueError(f"hbm_blocks must be >= 1, got {self.hbm_blocks}")
+        for name in ("dram_blocks", "ssd_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        for name in ("event_delay_s", "view_interval_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+
+    def capacity(self) -> TierCapacity:
+        """Blocks per medium of one worker."""
+        p, b = self.profile, self.block_size
+
+        def pick(value: int | None, default_bytes: float) -> int:
+            return blocks_for_bytes(default_bytes, p, b) if value is None else value
+
+        return TierCapacity(
+            hbm=pick(self.hbm_blocks, HBM_KV_BYTES),
+            dram=pick(self.dram_blocks, DRAM_KV_BYTES),
+            ssd=pick(self.ssd_blocks, SSD_KV_BYTES),
+        )
+
+    def effective_profile(self) -> TimingProfile:
+        """The profile with the step budget the schedulers use."""
+        budget = self.max_num_batched_tokens
+        if budget is None or budget == self.profile.max_num_batched_tokens:
+            return self.profile
+        return msgspec.structs.replace(self.profile, max_num_batched_tokens=budget)
+
+
+@dataclass(slots=True)
+class SimResult:
+    """One replay's outcome.
+
+    Attributes:
+        policy: The policy's name.
+        records: One per trace request, in trace order.
+        busy_s: Per worker, the sum of its step durations.
+        steps: Per worker, the steps it ran.
+        in_use_blocks: Per worker, HBM blocks still referenced at the end (0: no leak).
+        capacity: Blocks per medium of each worker.
+        cached_blocks: Blocks holding a cached key per medium, summed over the workers'
+            pools at the end (what the index should hold once every event landed).
+        index_entries: (block, host) entries per medium in the index at the end.
+        wall_s: Real seconds the replay took (not part of the results' identity).
+    """
+
+    policy: str
+    records: list[RequestRecord]
+    busy_s: dict[str, float]
+    steps: dict[str, int]
+    in_use_blocks: dict[str, int]
+    capacity: TierCapacity
+    cached_blocks: dict[Medium, int]
+    index_entries: dict[Medium, int]
+    wall_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    """One simulated worker and its step in progress."""
+
+    slot: int
+    host: str
+    pool: BlockPool
+    scheduler: Scheduler
+    runner: SimRunner
+    epoch: int
+    seq: int = 0
+    busy_s: float = 0.0
+    steps: int = 0
+    in_flight: int = 0
+    step: tuple[SchedulerPlan, StepResult] | None = None
+    beat: WorkerView | None = None
+    routed_since_beat: int = 0
+    tokens_since_beat: int = 0
+
+
+def _max_model_len(trace: Sequence[TraceRecord], config: SimConfig) -> int:
+    longest = max(r.input_length + r.output_length for r in trace)
+    limit = config.max_model_len if config.max_model_len is not None else max(longest, 2)
+    if longest > limit:
+        worst = next(i for i, r in enumerate(trace) if r.input_length + r.output_length > limit)
+        raise SimulationError(
+            f"trace request {worst} needs {longest} tokens, more than max_model_len={limit}"
+        )
+    return limit
+
+
+class _Cluster:
+    """The replay's state; :func:`simulate` builds one per run."""
+
+    def __init__(self, trace: Sequence[TraceRecord], policy: Policy, config: SimConfig) -> None:
+        self.trace = trace
+        self.policy = policy
+        self.config = config
+        self.profile = config.effective_profile()
+        self.capacity = config.capacity()
+        self.root = root_parent(config.model)
+        self.prompts = PromptFactory(config.block_size, self.root, vocab_size=config.vocab_size)
+        sched = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.profile.max_num_batched_tokens,
+            max_model_len=_max_model_len(trace, config),
+        )
+        rng = random.Random(config.seed)
+        width = len(str(config.workers - 1))
+        self.workers: list[_Worker] = []
+        for i in range(config.workers):
+            pool = BlockPool(self.capacity)
+            try:
+                scheduler = Scheduler(sched, pool, config.block_size)
+            except ValueError as exc:
+                raise SimulationError(str(exc)) from exc
+            runner = SimRunner(self.profile, config.block_size, vocab_size=config.vocab_size)
+            epoch = rng.getrandbits(62)
+            self.workers.append(_Worker(i, f"w{i:0{width}d}", pool, scheduler, runner, epoch))
+        self.by_host = {w.host: w for w in self.workers}
+        self.index = MemoryIndex()
+        self.pending: deque[tuple[float, EventBatch]] = deque()
+        self.heap: list[tuple[float, int, int]] = []
+        self.tiebreak = itertools.count()
+        self.records: list[RequestRecord | None] = [None] * len(trace)
+        self.live: dict[str, int] = {}
+        self.next_beat = 0.0
+
+    # -- index ------------------------------------------------------------------------
+
+    def deliver(self, now: float) -> None:
+        """Apply, in order, every published batch due at the index by ``now``."""
+        pending, index = self.pending, self.index
+        while pending and pending[0][0] <= now:
+            batch = pending.popleft()[1]
+            result = index.apply_sync(batch)
+            if result.status is not ApplyStatus.APPLIED:
+                raise SimulationError(f"index refused batch {batch.seq} of {batch.host}: {result}")
+
+    def publish(self, w: _Worker, now: float) -> None:
+        """Wrap the pool's events of the step just ended in the worker's next batch."""
+        events = w.pool.take_events()
+        if events:
+            w.seq += 1
+            batch = EventBatch(host=w.host, epoch=w.epoch, seq=w.seq, ts=now, events=events)
+            self.pending.append((now + self.config.event_delay_s, batch))
+
+    # -- views --------------------------------------------------------------------------
+
+    def view(self, w: _Worker, now: float) -> WorkerView:
+        """The worker as its heartbeat at ``now`` would describe it."""
+        s = w.scheduler
+        cap = self.capacity
+        return WorkerView(
+            host=w.host,
+            model=self.config.model,
+            block_size=self.config.block_size,
+            epoch=w.epoch,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            in_flight=w.in_flight,
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
+            kv_used_blocks=w.pool.usage(),
+            profile=self.profile,
+            ts=now,
+        )
+
+    def heartbeat(self, now: float) -> None:
+        """Take the heartbeats due by ``now`` (state is constant since the last event)."""
+        interval = self.config.view_interval_s
+        if interval <= 0 or now < self.next_beat:
+            return
+        beat = math.floor(now / interval) * interval
+        for w in self.workers:
+            w.beat = self.view(w, beat)
+            w.routed_since_beat = w.tokens_since_beat = 0
+        self.next_beat = beat + interval
+
+    def views(self, now: float) -> list[WorkerView]:
+        """What the router sees of every worker (exact, or heartbeat plus its accounting)."""
+        if self.config.view_interval_s <= 0:
+            return [self.view(w, now) for w in self.workers]
+        out = []
+        for w in self.workers:
+            beat = w.beat
+            assert beat is not None
+            out.append(
+                msgspec.structs.replace(
+                    beat,
+                    in_flight=w.in_flight,
+                    waiting=beat.waiting + w.routed_since_beat,
+                    queued_prefill_tokens=beat.queued_prefill_tokens + w.tokens_since_beat,
+                )
+            )
+        return out
+
+    # -- requests and steps -------------------------------------------------------------
+
+    def route(self, i: int, now: float) -> None:
+        """Route trace request ``i`` with the policy and queue it on the chosen worker."""
+        rec = self.trace[i]
+        cfg = self.config
+        tokens = self.prompts.tokens(rec)
+        keys = self.prompts.keys(rec)
+        self.deliver(now)
+        rid = f"r{i}"
+        route = RouteRequest(
+            request_id=rid,
+            model=cfg.model,
+            num_tokens=len(tokens),
+            block_keys=tuple(keys),
+            block_size=cfg.block_size,
+            now=now,
+            max_tokens=rec.output_length,
+        )
+        decision = self.policy.choose(route, self.views(now), self.index.match_sync(keys))
+        w = self.by_host.get(decision.worker)
+        if w is None:
+            raise SimulationError(f"policy {self.policy.name} chose unknown worker {decision}")
+        sampling = SamplingParams(max_tokens=rec.output_length, ignore_eos=True)
+        request = Request(rid, tokens, sampling, self.root, cfg.block_size, arrival=now)
+        request.keys = keys
+        w.scheduler.add(request)
+        w.in_flight += 1
+        w.routed_since_beat += 1
+        w.tokens_since_beat += len(tokens)
+        self.records[i] = RequestRecord(
+            i, w.host, now, len(tokens), predicted_ttft_s=decision.predicted_ttft_s
+        )
+        self.live[rid] = i
+        if w.step is None:
+            self.start_step(w, now)
+
+    def start_step(self, w: _Worker, now: float) -> None:
+        """Plan and time the worker's next step, or leave it idle when it has no work."""
+        plan = w.scheduler.schedule()
+        if plan.empty:
+            if w.scheduler.has_work():
+                raise SimulationError(f"{w.host} has work but cannot schedule any of it")
+            w.step = None
+            return
+        result = w.runner.execute(plan)
+        w.step = (plan, result)
+        w.busy_s += result.duration_s
+        w.steps += 1
+        heapq.heappush(self.heap, (now + result.duration_s, next(self.tiebreak), w.slot))
+
+    def end_step(self, w: _Worker, now: float) -> int:
+        """Fold the finished step in; return how many requests finished."""
+        assert w.step is not None
+        plan, result = w.step
+        outputs = w.scheduler.update(plan, result.sampled)
+        finished = 0
+        for out in outputs:
+            req = out.request
+            rec = self.records[self.live[req.request_id]]
+            assert rec is not None
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            if out.finished:
+                rec.finish_s = now
+                rec.output_tokens = len(req.output_token_ids)
+                c = req.cached_tokens
+                rec.cached_tokens = (c[0], c[1], c[2])
+                rec.preemptions = req.num_preemptions
+                del self.live[req.request_id]
+                w.in_flight -= 1
+                finished += 1
+        self.publish(w, now)
+        self.start_step(w, now)
+        return finished
+
+    def run(self, progress: Callable[[int], None] | None) -> None:
+        """Process arrivals and step ends in time order until every request finished."""
+        arrivals = arrival_times(self.trace, self.config.time_scale)
+        order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+        heap = self.heap
+        n = len(order)
+        a = 0
+        self.heartbeat(0.0)
+        while a < n or heap:
+            if heap and (a >= n or heap[0][0] <= arrivals[order[a]]):
+                now, _, slot = heapq.heappop(heap)
+                self.heartbeat(now)
+                done = self.end_step(self.workers[slot], now)
+                if done and progress is not None:
+                    progress(done)
+            else:
+                now = arrivals[order[a]]
+                self.heartbeat(now)
+                self.route(order[a], now)
+                a += 1
+        self.deliver(math.inf)
+
+
+def simulate(
+    trace: Sequence[TraceRecord],
+    policy: Policy,
+    config: SimConfig | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Replay ``trace`` on the simulated cluster, routing with ``policy``.
+
+    Args:
+        trace: The requests (any order; replayed by arrival time, then position).
+        policy: A fresh policy (it keeps state across calls).
+        config: The cluster (defaults: 8 H100-sized workers).
+        progress: Called with the number of requests that just finished.
+
+    Raises:
+        SimulationError: An empty trace, a request longer than ``max_model_len`` or
+            than a worker's HBM, or a policy naming an unknown worker.
+    """
+    if not trace:
+        raise SimulationError("the trace is empty")
+    cfg = config if config is not None else SimConfig()
+    start = time.perf_counter()
+    cluster = _Cluster(trace, policy, cfg)
+    cluster.run(progress)
+    records = [r for r in cluster.records if r is not None]
+    if len(records) != len(trace) or cluster.live:
+        raise SimulationError(f"{len(cluster.live)} requests never finished")
+    workers = cluster.workers
+    snapshots = [w.pool.snapshot() for w in workers]
+    return SimResult(
+        policy=policy.name,
+        records=records,
+        busy_s={w.host: w.busy_s for w in workers},
+        steps={w.host: w.steps for w in workers},
+        in_use_blocks={w.host: cluster.capacity.hbm - w.pool.num_free(Medium.HBM) for w in workers},
+        capacity=cluster.capacity,
+        cached_blocks={m: sum(len(snap[m]) for snap in snapshots) for m in MEDIA},
+        index_entries=cluster.index.stats_sync().entries,
+        wall_s=time.perf_counter() - start,
+    )
+
+
+def trace_oracle(trace: Sequence[TraceRecord], config: SimConfig | None = None) -> OracleBound:
+    """The oracle bound of ``trace`` on ``config``'s cluster (all tiers of all workers)."""
+    cfg = config if config is not None else SimConfig()
+    cap = cfg.capacity()
+    total = cfg.workers * (cap.hbm + cap.dram + cap.ssd)
+    prompts = PromptFactory(cfg.block_size, root_parent(cfg.model), vocab_size=cfg.vocab_size)
+    arrivals = arrival_times(trace, cfg.time_scale)
+    order = sorted(range(len(trace)), key=lambda i: (arrivals[i], i))
+    return oracle_bound(
+        ((trace[i].input_length, prompts.keys(trace[i])) for i in order), total, cfg.block_size
+    )

@@ -1,0 +1,224 @@
+"""The offline simulator and the oracle bound, on small traces and small clusters."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine_worker.profiles import default_profile
+from indexer.keys import block_keys, root_parent
+from kvrouter.bench.oracle import LruOracle, oracle_bound
+from kvrouter.bench.report import summarize
+from kvrouter.bench.simulator import (
+    SimConfig,
+    SimResult,
+    SimulationError,
+    simulate,
+    trace_oracle,
+)
+from kvrouter.bench.trace import PromptFactory, TraceRecord, write_trace
+from kvrouter.bench.workloads import AgentWorkload, ChatWorkload, GroupsWorkload, generate
+from kvrouter.cli import app
+from policies.registry import make_policy, policy_names
+
+SMALL = SimConfig(workers=3, hbm_blocks=400, dram_blocks=300, ssd_blocks=300, max_num_seqs=32)
+CHAT = ChatWorkload(sessions=10, turns=3, system_tokens=512, session_rate=4.0, think_time_s=2.0)
+GROUPS = GroupsWorkload(groups=4, users=3, system_tokens=1024, question_tokens=128, requests=40)
+AGENT = AgentWorkload(
+    agents=3, steps=4, system_tokens=512, context_min=1024, context_max=2048, output_tokens=16
+)
+
+
+def run(trace: list[TraceRecord], policy: str, config: SimConfig = SMALL) -> SimResult:
+    return simulate(trace, make_policy(policy, seed=config.seed), config)
+
+
+def hit_rate(result: SimResult) -> float:
+    return summarize(result.policy, result.records, result.busy_s).hit_rate
+
+
+# -- the oracle ---------------------------------------------------------------------------
+
+
+def test_oracle_serves_a_repeated_prompt_except_its_last_block() -> None:
+    keys = block_keys(list(range(64)), 16, 0)
+    oracle = LruOracle(capacity_blocks=100, block_size=16)
+    assert oracle.observe(64, keys) == 0
+    assert oracle.observe(64, keys) == 48
+    assert oracle.observe(70, [*keys, *block_keys([1] * 16, 16, keys[-1])][:4]) == 64
+    assert oracle.bound().hit_rate == pytest.approx(112 / 198)
+
+
+def test_oracle_capacity_bounds_what_it_remembers() -> None:
+    prompts = [block_keys([p] * 64, 16, 0) for p in range(5)]
+    seq = [(64, keys) for keys in prompts * 3]
+    roomy = oracle_bound(seq, capacity_blocks=20, block_size=16)
+    tight = oracle_bound(seq, capacity_blocks=8, block_size=16)
+    assert roomy.hit_tokens == 10 * 48
+    assert tight.hit_tokens < roomy.hit_tokens
+    assert tight.unbounded_hit_tokens == roomy.unbounded_hit_tokens == roomy.hit_tokens
+
+
+def test_oracle_evicts_a_prompts_tail_before_its_prefix() -> None:
+    long = block_keys(list(range(160)), 16, 0)
+    other = block_keys([7] * 32, 16, 0)
+    oracle = LruOracle(capacity_blocks=10, block_size=16)
+    oracle.observe(160, long)
+    oracle.observe(32, other)
+    assert oracle.observe(160, long) == 8 * 16
+
+
+# -- simulator behaviour -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("workload", "seed"),
+    [(CHAT, 1), (CHAT, 2), (GROUPS, 1), (GROUPS, 3), (AGENT, 1), (AGENT, 4)],
+)
+def test_kv_ttft_never_beats_the_oracle(workload: ChatWorkload, seed: int) -> None:
+    trace = generate(workload, seed)
+    config = SimConfig(
+        workers=3, hbm_blocks=300, dram_blocks=100, ssd_blocks=100, max_num_seqs=32, seed=seed
+    )
+    result = run(trace, "kv_ttft", config)
+    oracle = trace_oracle(trace, config)
+    assert oracle.capacity_blocks == 3 * 500
+    assert 0.0 < hit_rate(result) <= oracle.hit_rate <= oracle.unbounded_hit_rate
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_replay_is_reproducible(policy: str) -> None:
+    trace = generate(CHAT, seed=5)[:20]
+    first, second = run(trace, policy), run(trace, policy)
+    assert first.records == second.records
+    assert first.busy_s == second.busy_s
+    assert summarize(policy, first.records, first.busy_s) == summarize(
+        policy, second.records, second.busy_s
+    )
+
+
+def test_cache_aware_routing_beats_round_robin_on_shared_prefixes() -> None:
+    trace = generate(GROUPS, seed=2)
+    roomy = SimConfig(workers=4, hbm_blocks=2000, dram_blocks=0, ssd_blocks=0)
+    ours, rr = run(trace, "kv_ttft", roomy), run(trace, "round_robin", roomy)
+    for result in (ours, rr):
+        assert all(r.finish_s is not None for r in result.records)
+        assert [r.output_tokens for r in result.records] == [t.output_length for t in trace]
+        assert set(result.in_use_blocks.values()) == {0}
+    assert hit_rate(ours) > hit_rate(rr)
+
+
+def test_the_index_ends_up_holding_what_the_pools_hold() -> None:
+    result = run(generate(CHAT, seed=1), "kv_ttft")
+    assert result.index_entries == result.cached_blocks
+    assert sum(result.cached_blocks.values()) > 0
+    assert set(result.in_use_blocks.values()) == {0}
+
+
+def test_one_request_on_an_idle_cluster_takes_the_profiles_step_times() -> None:
+    profile = default_profile()
+    config = SimConfig(workers=2, hbm_blocks=200, dram_blocks=0, ssd_blocks=0)
+    trace = [TraceRecord(1000, 1000, 3, [1, 2])]
+    (rec,) = run(trace, "round_robin", config).records
+    prefill = profile.step_seconds([(1000, 0)], 0, 0)
+    decode_1 = profile.step_seconds([], 1, 1001)
+    decode_2 = profile.step_seconds([], 1, 1002)
+    assert rec.arrival_s == 0.0
+    assert rec.ttft_s == pytest.approx(prefill)
+    assert rec.finish_s == pytest.approx(prefill + decode_1 + decode_2)
+    assert rec.output_tokens == 3
+
+
+def test_a_repeated_prompt_hits_the_cache_on_the_same_worker() -> None:
+    trace = [TraceRecord(0, 1100, 2, [1, 2, 3]), TraceRecord(5000, 1100, 2, [1, 2, 3])]
+    config = SimConfig(workers=2, hbm_blocks=200, dram_blocks=0, ssd_blocks=0)
+    first, second = run(trace, "kv_ttft", config).records
+    assert first.cached_tokens == (0, 0, 0)
+    assert second.worker == first.worker
+    assert second.cached_tokens == (1088, 0, 0)
+    assert second.ttft_s is not None
+    assert first.ttft_s is not None
+    assert second.ttft_s < first.ttft_s
+
+
+def test_time_scale_compresses_arrivals() -> None:
+    trace = generate(CHAT, seed=1)[:10]
+    base = run(trace, "round_robin")
+    fast = run(trace, "round_robin", dataclasses.replace(SMALL, time_scale=4.0))
+    assert [r.arrival_s / 4 for r in base.records] == pytest.approx(
+        [r.arrival_s for r in fast.records]
+    )
+
+
+def test_stale_views_are_overlaid_with_the_routers_own_accounting() -> None:
+    trace = [TraceRecord(0, 600, 50, [i]) for i in range(8)]
+    stale = SimConfig(
+        workers=4, hbm_blocks=400, dram_blocks=0, ssd_blocks=0, view_interval_s=3600.0
+    )
+    records = run(trace, "least_load", stale).records
+    per_worker = [sum(1 for r in records if r.worker == f"w{i}") for i in range(4)]
+    assert per_worker == [2, 2, 2, 2]
+
+
+def test_requests_that_cannot_fit_are_refused_before_the_replay() -> None:
+    trace = [TraceRecord(0, 500, 10, [1]), TraceRecord(10, 3000, 10, [2])]
+    with pytest.raises(SimulationError, match="request 1 needs 3010 tokens"):
+        run(trace, "kv_ttft", dataclasses.replace(SMALL, max_model_len=2048))
+    with pytest.raises(SimulationError, match="HBM holds"):
+        run(trace, "kv_ttft", SimConfig(workers=1, hbm_blocks=100, dram_blocks=0, ssd_blocks=0))
+    with pytest.raises(SimulationError, match="empty"):
+        run([], "kv_ttft")
+
+
+def test_default_hbm_is_an_h100_running_llama3_8b() -> None:
+    profile = default_profile()
+    cap = SimConfig().capacity()
+    assert cap.hbm == int((80e9 * 0.9 - 16e9) // (profile.kv_bytes_per_token * 16))
+    assert 26_000 < cap.hbm < 28_000
+    assert cap.dram > 0
+    assert cap.ssd > 0
+
+
+def test_sim_command_writes_a_report_and_plots(tmp_path: Path) -> None:
+    trace_path = tmp_path / "g.jsonl"
+    write_trace(trace_path, generate(GROUPS, seed=1))
+    args = ["bench", "sim", "--trace", str(trace_path), "--workers", "2", "--hbm-blocks", "400"]
+    args += ["--dram-blocks", "100", "--ssd-blocks", "0", "--policies", "kv_ttft,round_robin"]
+    args += ["--json", str(tmp_path / "r.json"), "--plots", str(tmp_path / "p"), "--limit", "15"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [s["policy"] for s in report["summaries"]] == ["kv_ttft", "round_robin"]
+    assert all(s["completed"] == 15 for s in report["summaries"])
+    assert report["config"]["capacity_blocks"] == {"hbm": 400, "dram": 100, "ssd": 0}
+    for name in ("g_ttft_cdf.png", "g_hit_rate.png"):
+        assert (tmp_path / "p" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = CliRunner().invoke(app, [*args[:4], "--policies", "nope"])
+    assert bad.exit_code != 0
+    assert "unknown policy 'nope'" in bad.output
+
+
+def test_prompt_keys_route_and_cache_under_the_models_root() -> None:
+    rec = TraceRecord(0, 100, 1, [3])
+    factory = PromptFactory(16, root_parent(SMALL.model))
+    assert factory.keys(rec) == block_keys(factory.tokens(rec), 16, root_parent("llama3-8b"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"workers": 0},
+        {"hbm_blocks": 0},
+        {"dram_blocks": -1},
+        {"max_num_seqs": 0},
+        {"event_delay_s": -0.1},
+        {"time_scale": 0.0},
+    ],
+)
+def test_a_bad_cluster_is_refused(options: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        SimConfig(**options)  # type: ignore[arg-type]
