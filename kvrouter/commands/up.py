@@ -11,6 +11,7 @@ Redis. Children die with this process even if it is killed.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -20,6 +21,8 @@ from typing import Annotated
 import typer
 
 __all__ = ["register"]
+
+log = logging.getLogger(__name__)
 
 
 def up(
@@ -51,6 +54,8 @@ def up(
     embedded = None if redis else EmbeddedRedis()
     if embedded is not None:
         embedded.start()
+        assert embedded.proc is not None
+        log.info("started redis (pid %d) at %s", embedded.proc.pid, embedded.url)
     redis_url = redis or (embedded.url if embedded else "")
     sup = Supervisor(log_dir)
     py = [sys.executable, "-m", "kvrouter"]

@@ -1,0 +1,83 @@
+"""``kvrouter up`` starts the whole system and leaves nothing behind when stopped."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrouter.embedded_redis import free_port
+from tests.support.servers import wait_http
+
+pytestmark = pytest.mark.slow
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+    port = free_port()
+    log = tmp_path / "up.log"
+    args = [
+        sys.executable, "-m", "kvrouter", "up", "--workers", "2", "--runner", "sim",
+        "--model", "tiny", "--port", str(port), "--worker-port", str(free_port()),
+        "--indexer-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{port}/ready", timeout=120, proc=proc)
+    return proc, port, log
+
+
+def child_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"\(pid (\d+)\)", log.read_text())]
+
+
+def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    proc, port, log = start_up(tmp_path)
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": "tiny", "prompt": "hello there", "max_tokens": 3},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    processes = child_pids(log)
+    assert len(processes) == 5  # redis, indexer, 2 workers, gateway
+    assert all(alive(p) for p in processes)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    assert wait_gone(processes) == []
+
+
+def test_killing_up_takes_its_children_with_it(tmp_path: Path) -> None:
+    proc, _, log = start_up(tmp_path)
+    children = child_pids(log)
+    proc.kill()
+    proc.wait(10)
+    assert wait_gone(children) == []
