@@ -149,8 +149,9 @@ def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
 
     policy = KvTtftPolicy()
     spread = Counter(policy.choose(r, workers, {}).worker for r in burst)
-    # Without speculative state every request sees the same stale, idle picture.
-    blind = KvTtftPolicy(speculative_ttl_s=1e-9)
+    # Without speculative state (and without the routing-rate externality, which also
+    # spreads a burst) every request sees the same stale, idle picture.
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0)
     herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
 
     assert len(spread) == 4
@@ -211,3 +212,52 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(speculative_ttl_s=0)
     with pytest.raises(ValueError, match="mean_decode_context"):
         KvTtftPolicy(mean_decode_context=-1)
+
+
+def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
+    history = tokens(3000, seed=20)
+    prompt = history + tokens(200, seed=21)
+    blocks = len(history) // BLOCK
+    workers = [view("home", queued=4000), view("away", queued=0)]
+    matches = {"home": match("home", hbm=blocks)}
+
+    def route(policy: KvTtftPolicy) -> str:
+        # Recent traffic: both workers were chosen 10 times per second for the last 10 s.
+        for i in range(100):
+            policy.routed.record("home", i * 0.1)
+            policy.routed.record("away", i * 0.1 + 0.05)
+        return policy.choose(request(prompt, now=10.0), workers, matches).worker
+
+    greedy = KvTtftPolicy(externality_weight=0.0)
+    aware = KvTtftPolicy()
+    greedy_pick = route(greedy)
+    aware_pick = route(aware)
+    # The shorter queue wins the request's own TTFT ...
+    assert greedy_pick == "away"
+    # ... but recomputing 3000 tokens there delays everyone routed behind it; staying is
+    # cheaper for the cluster once that externality is charged.
+    assert aware_pick == "home"
+    decision = aware.choose(request(prompt, now=10.01), workers, matches)
+    assert decision.scores["away"]["externality_s"] > decision.scores["home"]["externality_s"]
+    assert decision.predicted_ttft_s == decision.scores["home"]["ttft_s"]
+
+
+def test_an_idle_worker_without_the_shared_prefix_is_not_locked_out() -> None:
+    # Busy workers hold a shared system prompt; a fourth, idle one does not. Nothing is
+    # routed to the idle one, so work placed there delays nobody: pure TTFT decides.
+    system = tokens(1024, seed=22)
+    prompt = system + tokens(64, seed=23)
+    blocks = len(system) // BLOCK
+    busy = [view(f"w{i}", queued=1500) for i in range(3)]
+    idle = view("w3", queued=0)
+    policy = KvTtftPolicy()
+    for i in range(60):
+        for w in ("w0", "w1", "w2"):
+            policy.routed.record(w, 1.0 + i * 0.05)
+    decision = policy.choose(
+        request(prompt, now=4.0),
+        [*busy, idle],
+        {f"w{i}": match(f"w{i}", hbm=blocks) for i in range(3)},
+    )
+    assert decision.scores["w3"]["externality_s"] == 0.0
+    assert decision.worker == "w3"
