@@ -91,6 +91,8 @@ class Request:
     cached_tokens: list[int] = field(default_factory=lambda: [0] * len(MEDIA))
     admitted: bool = False
     num_preemptions: int = 0
+    #: Prompt tokens the pool held when the request was queued (the load estimate's discount).
+    expected_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

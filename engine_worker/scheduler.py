@@ -176,6 +176,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check(request)
+        if self.config.enable_prefix_caching:
+            hit = len(self.pool.match_prefix(request.ensure_keys(request.num_tokens)))
+            request.expected_cached_tokens = min(hit * self.block_size, request.num_tokens - 1)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -203,10 +206,16 @@ class Scheduler:
         return len(self.waiting)
 
     def queued_prefill_tokens(self) -> int:
-        """Tokens still to prefill over all requests (the router's queue-wait signal)."""
-        return sum(r.remaining_prefill for r in self.waiting) + sum(
-            r.remaining_prefill for r in self.running if r.remaining_prefill > 1
+        """Tokens still to prefill over all requests (the router's queue-wait signal).
+
+        A waiting request counts only what its prefix hit at queueing time will not
+        cover, so a worker holding its queue's prefixes does not look busier than it is.
+        """
+        waiting = sum(
+            r.num_tokens - max(r.num_computed_tokens, r.expected_cached_tokens)
+            for r in self.waiting
         )
+        return waiting + sum(r.remaining_prefill for r in self.running if r.remaining_prefill > 1)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""

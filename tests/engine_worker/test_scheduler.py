@@ -268,3 +268,16 @@ def test_events_of_a_mixed_workload_replay_to_the_pool_content() -> None:
     replay.apply(pool.take_events())
     assert replay.matches(pool.snapshot())
     assert in_use(pool) == 0
+
+
+def test_queued_prefill_tokens_discount_the_prefix_a_waiting_request_will_hit() -> None:
+    s, r, _ = make(max_num_seqs=1)
+    shared = list(range(32))
+    s.add(req("a", [*shared, 1, 2], max_tokens=1))
+    run_to_end(s, r)
+    s.add(req("busy", list(range(500, 510)), max_tokens=50))
+    s.update(s.schedule(), {"busy": 1})  # "busy" runs; the next ones wait (max_num_seqs=1)
+    s.add(req("hit", [*shared, 7, 7, 7], max_tokens=1))
+    s.add(req("cold", list(range(900, 935)), max_tokens=1))
+    # "hit" will reuse the 32 cached tokens: only its 3 new tokens are queued work.
+    assert s.queued_prefill_tokens() == 3 + 35
