@@ -41,11 +41,12 @@ from indexer.media import Medium
 from indexer.views import WorkerView
 from indexer.wire import Keyspace
 from kvrouter.embedded_redis import EmbeddedRedis, free_port
-from kvrouter.gateway.app import _load_models, build_policy
+from kvrouter.gateway.app import _load_models
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import Router
+from kvrouter.policy_factory import build_policy
 from kvrouter.supervisor import Supervisor
 
 MODEL = "tiny"

@@ -23,14 +23,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from indexer.views import PrefixMatch, WorkerView
 from kvrouter.bench.oracle import OracleBound
 from kvrouter.bench.report import (
     BenchReport,
@@ -50,23 +48,14 @@ from kvrouter.bench.workloads import (
     Workload,
     generate,
 )
-from policies.base import Decision, NoWorkerError, Policy, RouteRequest
-from policies.cost_model import (
-    load_seconds,
-    prefill_seconds,
-    queue_seconds,
-    resolve_profile,
-    split_prompt,
-)
-from policies.kv_ttft import KvTtftPolicy
-from policies.registry import DEFAULT_POLICY, make_policy, policy_names
+from kvrouter.policy_factory import build_policy
+from policies.base import Policy
+from policies.registry import DEFAULT_POLICY, policy_names
 
 __all__ = [
     "CASES",
     "LOADS",
-    "PROTOTYPES",
     "Comparison",
-    "RecomputeAwareTtft",
     "SuiteCase",
     "compare_policies",
     "describe_trace",
@@ -154,7 +143,7 @@ def compare_policies(
     (prototypes) by name, run after the named ones.
     """
     builders: list[tuple[str, Callable[[], Policy]]] = [
-        (name, functools.partial(make_policy, name, seed=config.seed)) for name in names
+        (name, functools.partial(build_policy, name, seed=config.seed)) for name in names
     ]
     builders += list((extra or {}).items())
     oracle = trace_oracle(trace, config)
@@ -196,74 +185,6 @@ def compare_policies(
         plot_ttft_cdf(ttfts, plots / f"{label}_ttft_cdf.png", title=f"{label}: TTFT")
         plot_hit_rates(summaries, plots / f"{label}_hit_rate.png", oracle, title=f"{label}")
     return Comparison(label, oracle, results, summaries)
-
-
-class RecomputeAwareTtft(KvTtftPolicy):
-    """PROTOTYPE (bench only, not a registered policy): kv_ttft that also charges recomputation.
-
-    ``kv_ttft`` minimizes the request's own predicted TTFT. When every worker has
-    a similar queue, the few milliseconds a session's cached history saves are
-    smaller than the queue noise, so a turn often lands away from its history:
-    the history is recomputed (cluster capacity spent) and later turns lose
-    their locality. This variant adds, per worker, ``recompute_weight`` times the
-    prefill-plus-load time it needs beyond the worker needing the least, the
-    compute that choosing it wastes for everyone queued behind.
-    """
-
-    name = "proto_kv_ttft_recompute"
-
-    def __init__(self, *, recompute_weight: float = 3.0, **options: Any) -> None:
-        super().__init__(**options)
-        self.recompute_weight = recompute_weight
-
-    def choose(
-        self,
-        request: RouteRequest,
-        workers: Sequence[WorkerView],
-        matches: Mapping[str, PrefixMatch],
-    ) -> Decision:
-        """kv_ttft's choice with the recomputation charge (see the class docstring)."""
-        if not workers:
-            raise NoWorkerError("no worker to route to")
-        now, keys, size = request.now, request.block_keys, request.block_size
-        self.speculation.expire(now)
-        scores: dict[str, dict[str, float]] = {}
-        work: dict[str, float] = {}
-        split: dict[str, tuple[int, int]] = {}
-        for view in workers:
-            profile = resolve_profile(view, self.default_profile)
-            match = self.speculation.merge(view.host, keys, matches.get(view.host))
-            matched = min(match.blocks, len(keys)) if match is not None else 0
-            cached, new = split_prompt(request.num_tokens, matched, size)
-            spec_tokens, spec_requests = self.speculation.pending(view, now)
-            kv = view.running * self.mean_decode_context
-            queued = view.queued_prefill_tokens + spec_tokens
-            wait = queue_seconds(profile, queued, view.running, kv)
-            load = load_seconds(view, profile, match, size)
-            prefill = prefill_seconds(profile, new, cached, view.running, kv)
-            scores[view.host] = {
-                "wait_s": wait,
-                "load_s": load,
-                "prefill_s": prefill,
-                "in_flight": float(view.in_flight + spec_requests),
-                "total": wait + load + prefill,
-            }
-            work[view.host] = profile.prefill_seconds(new, cached) + load
-            split[view.host] = (matched, new)
-        least = min(work.values())
-        for host, score in scores.items():
-            score["recompute_s"] = work[host] - least
-            score["total"] += self.recompute_weight * score["recompute_s"]
-        best = min(scores, key=lambda h: (scores[h]["total"], scores[h]["in_flight"], h))
-        matched, new = split[best]
-        self.speculation.record(best, keys, new, now)
-        return Decision(
-            worker=best,
-            policy=self.name,
-            scores=scores,
-            predicted_ttft_s=scores[best]["total"],
-            matched_blocks=matched,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,9 +231,6 @@ CASES: tuple[SuiteCase, ...] = (
     ),
 )  # fmt: skip
 
-#: Unregistered policies the suite runs beside the registered ones.
-PROTOTYPES: dict[str, Callable[[], Policy]] = {RecomputeAwareTtft.name: RecomputeAwareTtft}
-
 #: (label, fraction of measured capacity).
 LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load90", 0.9))
 
@@ -321,7 +239,7 @@ def measure_capacity(trace: Sequence[TraceRecord], config: SimConfig) -> float:
     """Requests/s the cluster completes under round_robin with every arrival in the first second."""
     span = (max(r.timestamp for r in trace) - min(r.timestamp for r in trace)) / 1e3
     burst = dataclasses.replace(config, time_scale=max(span, 1.0))
-    result = simulate(trace, make_policy("round_robin", seed=config.seed), burst)
+    result = simulate(trace, build_policy("round_robin", seed=config.seed), burst)
     end = max(r.finish_s or 0.0 for r in result.records)
     return len(trace) / end
 
@@ -372,11 +290,8 @@ def run_suite(
         for label, load in LOADS:
             cfg = dataclasses.replace(config, time_scale=load * capacity / natural)
             name = f"{case.name}_{label}"
-            cmp = compare_policies(
-                trace, names, cfg, console=console, label=name, plots=out_dir, extra=PROTOTYPES
-            )
+            cmp = compare_policies(trace, names, cfg, console=console, label=name, plots=out_dir)
             ours = cmp.summary(DEFAULT_POLICY)
-            proto = cmp.summary(RecomputeAwareTtft.name)
             peers = [s for s in cmp.summaries if s.policy in names and s.policy != DEFAULT_POLICY]
             best = min(peers, key=lambda s: s.ttft_p90_s)
             rr = cmp.summary("round_robin")
@@ -394,8 +309,6 @@ def run_suite(
                     "hit_rate": ours.hit_rate,
                     "oracle_hit_rate": cmp.oracle.hit_rate,
                     "hit_vs_oracle": ours.hit_vs_oracle,
-                    "prototype_p90_vs_best_peer": _ratio(proto.ttft_p90_s, best.ttft_p90_s),
-                    "prototype_hit_vs_oracle": proto.hit_vs_oracle,
                 }
             )
             reports[name] = {
@@ -405,7 +318,7 @@ def run_suite(
             }
     table = Table(title=f"kv_ttft against its peers ({time.perf_counter() - started:,.0f} s)")
     columns = ("workload", "load", "p90 / best peer", "best peer", "p90 / RR", "hit / oracle")
-    for col in (*columns, "proto p90 / best", "proto hit / oracle"):
+    for col in columns:
         table.add_column(col)
     for row in rows:
         table.add_row(
@@ -415,8 +328,6 @@ def run_suite(
             str(row["best_peer"]),
             f"{row['p90_vs_round_robin']:.2f}",
             f"{row['hit_vs_oracle']:.3f}",
-            f"{row['prototype_p90_vs_best_peer']:.2f}",
-            f"{row['prototype_hit_vs_oracle']:.3f}",
         )
     console.print(table)
     data = {"rows": rows, "runs": reports}

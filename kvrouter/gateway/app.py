@@ -26,7 +26,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.http_limits import BodyLimitMiddleware
 from engine_worker.model.registry import resolve
-from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
 from engine_worker.server import install_error_handlers
 from engine_worker.tokenizer import load_tokenizer
@@ -40,25 +39,13 @@ from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import ModelTokens, Routed, Router
 from kvrouter.gateway.settings import RouterSettings
 from kvrouter.logs import request_id_var
-from policies.base import Policy
-from policies.registry import make_policy
+from kvrouter.policy_factory import build_policy
 
-__all__ = ["build_policy", "create_app"]
+__all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-def build_policy(name: str, seed: int = 0, speculative_ttl_s: float = 2.0) -> Policy:
-    """A policy configured for the gateway (profile fallback; exact load accounting)."""
-    options: dict[str, Any] = {}
-    if name in ("kv_ttft", "mooncake_conductor"):
-        options["default_profile"] = default_profile()
-    if name == "kv_ttft":
-        options["speculative_load"] = False
-        options["speculative_ttl_s"] = speculative_ttl_s
-    return make_policy(name, seed=seed, **options)
 
 
 @dataclass(slots=True)
@@ -138,7 +125,15 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             directory=directory,
             index=index,
             load=load,
-            policy=build_policy(settings.policy, settings.seed, settings.speculative_ttl_s),
+            policy=build_policy(
+                settings.policy,
+                settings.seed,
+                **(
+                    {"speculative_ttl_s": settings.speculative_ttl_s}
+                    if settings.policy == "kv_ttft"
+                    else {}
+                ),
+            ),
             fallback=build_policy(settings.fallback_policy, settings.seed),
             metrics=metrics,
             block_size=settings.block_size,
