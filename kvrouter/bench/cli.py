@@ -16,6 +16,14 @@ import typer
 from rich.console import Console
 
 from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+from kvrouter.bench.report import (
+    BenchReport,
+    plot_hit_rates,
+    plot_ttft_cdf,
+    render_table,
+    summarize,
+    write_json,
+)
 from kvrouter.bench.simulator import SimConfig, SimulationError
 from kvrouter.bench.suite import compare_policies, describe_trace, parse_policies, run_suite
 from kvrouter.bench.trace import TraceError, TraceRecord, read_trace, write_trace
@@ -194,6 +202,62 @@ def sim(
     except SimulationError as exc:
         console.print(f"[red]simulation failed:[/red] {exc}")
         raise typer.Exit(code=1) from exc
+
+
+@bench_app.command("live")
+def live(
+    trace: Annotated[Path, typer.Option(help="Trace file (Mooncake JSON lines).")],
+    gateway: Annotated[str, typer.Option(help="Gateway base URL.")] = "http://127.0.0.1:8000",
+    model: Annotated[str, typer.Option(help="Served model name to ask for.")] = "tiny",
+    redis: Annotated[
+        str | None, typer.Option("--redis", help="Cluster Redis (busy times, oracle).")
+    ] = None,
+    time_scale: Annotated[float, typer.Option(help="Arrival rate multiplier.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    vocab_size: Annotated[int, typer.Option(help="Token ids of the prompts.")] = 32000,
+    api_key: Annotated[str | None, typer.Option(help="Gateway API key.")] = None,
+    label: Annotated[str, typer.Option(help="Name of this run in the report.")] = "live",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
+    plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
+) -> None:
+    """Replay a trace against a running gateway in real time; same report as ``bench sim``."""
+    import asyncio
+
+    from rich.progress import Progress
+
+    from kvrouter.bench.live import replay_live
+
+    records = _load(trace, limit)
+    console = _console()
+    console.print(f"{trace}: {describe_trace(records)}")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("live replay", total=len(records))
+        result = asyncio.run(
+            replay_live(
+                records, gateway.rstrip("/"), model=model, time_scale=time_scale,
+                block_size=block_size, vocab_size=vocab_size, redis_url=redis,
+                api_key=api_key, progress=lambda n: progress.advance(task, n),
+            )
+        )  # fmt: skip
+    summary = summarize(label, result.records, result.busy_s, result.oracle)
+    render_table([summary], console, title=f"{label}: live replay against {gateway}")
+    if result.errors:
+        console.print(f"[red]{result.errors} requests failed[/red]")
+    if json_out is not None:
+        oracle = {"hit_rate": result.oracle.hit_rate} if result.oracle else None
+        write_json(
+            BenchReport(trace=label, config={"gateway": gateway, "time_scale": time_scale},
+                        oracle=oracle, summaries=[summary]),
+            json_out,
+        )  # fmt: skip
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        ttfts = {label: [t for r in result.records if (t := r.ttft_s) is not None]}
+        plot_ttft_cdf(ttfts, plots / f"{label}_ttft_cdf.png", title=f"{label}: TTFT")
+        plot_hit_rates([summary], plots / f"{label}_hit_rate.png", result.oracle, title=label)
+    if result.errors:
+        raise typer.Exit(code=1)
 
 
 @bench_app.command("suite")

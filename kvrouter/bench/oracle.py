@@ -24,6 +24,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from indexer.keys import root_parent
+from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
+
 __all__ = ["LruOracle", "OracleBound", "oracle_bound"]
 
 
@@ -124,3 +127,23 @@ def oracle_bound(
     for num_tokens, keys in prompts:
         oracle.observe(num_tokens, keys)
     return oracle.bound()
+
+
+def trace_bound(
+    trace: Sequence[TraceRecord],
+    capacity_blocks: int,
+    block_size: int,
+    model: str,
+    *,
+    vocab_size: int = 32000,
+    time_scale: float = 1.0,
+) -> OracleBound:
+    """The bound of a whole trace replayed in arrival order on ``capacity_blocks`` of cache."""
+    prompts = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
+    arrivals = arrival_times(trace, time_scale)
+    order = sorted(range(len(trace)), key=lambda i: (arrivals[i], i))
+    return oracle_bound(
+        ((trace[i].input_length, prompts.keys(trace[i])) for i in order),
+        capacity_blocks,
+        block_size,
+    )

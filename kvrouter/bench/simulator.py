@@ -57,7 +57,7 @@ from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
 from indexer.profile import TimingProfile
 from indexer.views import WorkerView
-from kvrouter.bench.oracle import OracleBound, oracle_bound
+from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from policies.base import Policy, RouteRequest
@@ -479,9 +479,7 @@ def trace_oracle(trace: Sequence[TraceRecord], config: SimConfig | None = None) 
     cfg = config if config is not None else SimConfig()
     cap = cfg.capacity()
     total = cfg.workers * (cap.hbm + cap.dram + cap.ssd)
-    prompts = PromptFactory(cfg.block_size, root_parent(cfg.model), vocab_size=cfg.vocab_size)
-    arrivals = arrival_times(trace, cfg.time_scale)
-    order = sorted(range(len(trace)), key=lambda i: (arrivals[i], i))
-    return oracle_bound(
-        ((trace[i].input_length, prompts.keys(trace[i])) for i in order), total, cfg.block_size
-    )
+    return trace_bound(
+        trace, total, cfg.block_size, cfg.model, vocab_size=cfg.vocab_size,
+        time_scale=cfg.time_scale,
+    )  # fmt: skip

@@ -1,0 +1,153 @@
+"""Online replay: a trace against a running gateway, with the offline simulator's report.
+
+Each trace record becomes a streaming ``/v1/completions`` request at its
+(time-scaled) arrival: the prompt as token ids (the same pseudo-random
+tokens the simulator uses, :class:`~kvrouter.bench.trace.PromptFactory`),
+``max_tokens`` = the record's output length with ``ignore_eos``. The
+records (first token, finish, worker from ``x-kvrouter-worker``, cached
+tokens per medium from the usage chunk) feed the same
+:func:`~kvrouter.bench.report.summarize` as the simulator's. With the
+cluster's Redis, workers are found through their heartbeats: their step
+time counters give busy time per worker (load imbalance) and their
+capacities give the oracle bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+import redis.asyncio as aioredis
+
+from indexer.keys import root_parent
+from indexer.media import Medium
+from indexer.views import WorkerView
+from indexer.wire import Keyspace, decode_view
+from kvrouter.bench.oracle import OracleBound, trace_bound
+from kvrouter.bench.report import RequestRecord
+from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
+
+__all__ = ["LiveResult", "cluster_views", "replay_live"]
+
+_STEP_SUM = re.compile(rb"^kvworker_engine_step_seconds_sum ([0-9.eE+-]+)$", re.M)
+
+
+@dataclass(slots=True)
+class LiveResult:
+    """One live replay."""
+
+    records: list[RequestRecord]
+    busy_s: dict[str, float]
+    oracle: OracleBound | None
+    errors: int
+
+
+async def cluster_views(redis_url: str, keyspace: Keyspace | None = None) -> list[WorkerView]:
+    """Live workers' views from the registry and heartbeats."""
+    ks = keyspace or Keyspace()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        hosts = [h.decode() for h in await client.hkeys(ks.hosts)]  # type: ignore[union-attr]
+        beats: list[bytes | None] = [await client.get(ks.heartbeat(h)) for h in hosts]  # type: ignore[misc]
+    finally:
+        await client.aclose()
+    return [decode_view(b) for b in beats if b is not None]
+
+
+async def _busy(http: httpx.AsyncClient, views: Sequence[WorkerView]) -> dict[str, float]:
+    out = {}
+    for v in views:
+        r = await http.get(f"{v.url}/metrics", timeout=10)
+        m = _STEP_SUM.search(r.content)
+        out[v.host] = float(m.group(1)) if m else 0.0
+    return out
+
+
+async def _one(
+    http: httpx.AsyncClient, gateway: str, body: dict[str, object], rec: RequestRecord,
+    t0: float, headers: dict[str, str],
+) -> bool:  # fmt: skip
+    async with http.stream(
+        "POST", f"{gateway}/v1/completions", json=body, headers=headers
+    ) as resp:  # fmt: skip
+        if resp.status_code != 200:
+            await resp.aread()
+            return False
+        rec.worker = resp.headers.get("x-kvrouter-worker", "?")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                return False
+            if chunk.get("choices") and rec.first_token_s is None:
+                rec.first_token_s = time.perf_counter() - t0
+            usage = chunk.get("usage")
+            if usage:
+                rec.output_tokens = usage["completion_tokens"]
+                by = usage.get("cached_tokens_by_medium") or {}
+                rec.cached_tokens = (by.get("hbm", 0), by.get("dram", 0), by.get("ssd", 0))
+        rec.finish_s = time.perf_counter() - t0
+    return True
+
+
+async def replay_live(
+    trace: Sequence[TraceRecord],
+    gateway: str,
+    *,
+    model: str,
+    time_scale: float = 1.0,
+    block_size: int = 16,
+    vocab_size: int = 32000,
+    redis_url: str | None = None,
+    api_key: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> LiveResult:
+    """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``)."""
+    factory = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
+    arrivals = arrival_times(trace, time_scale)
+    views = await cluster_views(redis_url) if redis_url else []
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    records = [RequestRecord(i, "?", arrivals[i], rec.input_length) for i, rec in enumerate(trace)]
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        before = await _busy(http, views)
+        t0 = time.perf_counter()
+
+        async def run(i: int) -> bool:
+            rec = trace[i]
+            delay = arrivals[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = {
+                "model": model,
+                "prompt": factory.tokens(rec),
+                "max_tokens": max(rec.output_length, 1),
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            try:
+                ok = await _one(http, gateway, body, records[i], t0, headers)
+            except httpx.HTTPError:
+                ok = False
+            if progress is not None:
+                progress(1)
+            return ok
+
+        results = await asyncio.gather(*(run(i) for i in range(len(trace))))
+        after = await _busy(http, views)
+    busy = {h: after[h] - before.get(h, 0.0) for h in after}
+    oracle = None
+    if views:
+        total = sum(sum(v.kv_capacity_blocks.get(m, 0) for m in Medium) for v in views)
+        oracle = trace_bound(
+            trace, total, block_size, model, vocab_size=vocab_size, time_scale=time_scale
+        )
+    return LiveResult(records, busy, oracle, errors=sum(not ok for ok in results))
