@@ -93,11 +93,16 @@ class Request:
     num_preemptions: int = 0
     #: Prompt tokens the pool held when the request was queued (the load estimate's discount).
     expected_cached_tokens: int = 0
+    #: Prompt plus generated tokens (kept current by :meth:`append_output`: read every step).
+    num_tokens: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token: int) -> None:
+        """Append a generated token."""
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def num_prompt_tokens(self) -> int:

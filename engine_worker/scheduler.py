@@ -81,17 +81,14 @@ class ScheduledSeq:
     num_cached: int
     num_new: int
     want_logits: bool
+    #: A one-token decode step (not prefill): set once, read by the timing model.
+    is_decode: bool = False
 
     @property
     def block_ids(self) -> list[int]:
         """The request's block table as HBM block ids (built on demand: only the torch
         runner needs it, and rebuilding it every step costs O(context) per sequence)."""
         return [b.block_id for b in self.request.block_table]
-
-    @property
-    def is_decode(self) -> bool:
-        """Whether this is a one-token decode step (not prefill)."""
-        return self.num_new == 1 and self.num_cached >= self.request.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -231,10 +228,11 @@ class Scheduler:
         plan = SchedulerPlan()
         budget = self.config.max_num_batched_tokens
         i = 0
+        block_size = self.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.remaining_prefill, budget)
-            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_table)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.block_table)
             while need > 0 and not self.pool.can_allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -290,12 +288,13 @@ class Scheduler:
         return matched
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
-        done = req.num_computed_tokens + num_new >= req.num_tokens
+        cached = req.num_computed_tokens
         return ScheduledSeq(
-            request=req,
-            num_cached=req.num_computed_tokens,
-            num_new=num_new,
-            want_logits=done,
+            req,
+            cached,
+            num_new,
+            cached + num_new >= req.num_tokens,
+            num_new == 1 and cached >= len(req.prompt_token_ids),
         )
 
     def update(self, plan: SchedulerPlan, sampled: Mapping[str, int]) -> list[StepOutput]:
@@ -306,16 +305,20 @@ class Scheduler:
             sampled: The sampled token of every scheduled request with ``want_logits``.
         """
         outputs: list[StepOutput] = []
+        caching = self.config.enable_prefix_caching
+        block_size = self.block_size
+        running = RequestStatus.RUNNING
         for s in plan.seqs:
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
-            req.num_computed_tokens = s.num_cached + s.num_new
-            self._cache_full_blocks(req)
+            req.num_computed_tokens = computed = s.num_cached + s.num_new
+            if caching and computed // block_size > req.num_cached_blocks:
+                self._cache_full_blocks(req)
             if not s.want_logits:
                 continue
             token = sampled[req.request_id]
-            req.output_token_ids.append(token)
+            req.append_output(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.running.remove(req)
@@ -324,11 +327,7 @@ class Scheduler:
         return outputs
 
     def _cache_full_blocks(self, req: Request) -> None:
-        if not self.config.enable_prefix_caching:
-            return
         full = req.num_computed_tokens // self.block_size
-        if full <= req.num_cached_blocks:
-            return
         keys = req.ensure_keys(full * self.block_size)
         for i in range(req.num_cached_blocks, full):
             self.pool.cache_block(req.block_table[i], keys[i], req.parent_of(i))

@@ -53,14 +53,19 @@ class SimRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.avoid = frozenset(avoid_token_ids)
+        self._bases: dict[str, int] = {}
 
     def profile(self) -> TimingProfile:
         """The timing model in use."""
         return self._profile
 
     def _token(self, request_id: str, position: int) -> int:
-        h = xxhash.xxh3_64_intdigest(f"{request_id}:{position}".encode())
-        token = h % self.vocab_size
+        base = self._bases.get(request_id)
+        if base is None:
+            if len(self._bases) > 65536:
+                self._bases.clear()  # forget finished requests; a base is cheap to recompute
+            base = self._bases[request_id] = xxhash.xxh3_64_intdigest(request_id.encode())
+        token = (base + position * 0x9E3779B97F4A7C15) % self.vocab_size
         while token in self.avoid:
             token = (token + 1) % self.vocab_size
         return token
