@@ -156,8 +156,12 @@ class BlockPool:
         self._capacity = capacity
         self._storage = storage
         self._caching = enable_caching
-        self._blocks = {m: [Block(i, m) for i in range(capacity.of(m))] for m in MEDIA}
-        self._queues = {m: FreeBlockQueue(self._blocks[m]) for m in MEDIA}
+        # Slots are materialized on first use: a never-used slot is empty and sits,
+        # conceptually, at the head of its free queue. A 1M-block tier costs nothing
+        # until it fills (the simulator builds dozens of such pools per run).
+        self._blocks: dict[Medium, list[Block]] = {m: [] for m in MEDIA}
+        self._queues = {m: FreeBlockQueue() for m in MEDIA}
+        self._fresh = {m: capacity.of(m) for m in MEDIA}
         self._empty = {m: capacity.of(m) for m in MEDIA}
         self._lower = {
             m: tuple(low for low in MEDIA[m.rank + 1 :] if capacity.of(low) > 0) for m in MEDIA
@@ -172,13 +176,13 @@ class BlockPool:
 
     def num_free(self, medium: Medium = Medium.HBM) -> int:
         """Blocks of ``medium`` allocatable now: empty ones plus cached ones not in use."""
-        return len(self._queues[medium])
+        return len(self._queues[medium]) + self._fresh[medium]
 
     def can_allocate(self, n: int) -> bool:
         """Whether ``allocate(n)`` would succeed now."""
         if n < 0:
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
-        return n <= len(self._queues[Medium.HBM])
+        return n <= len(self._queues[Medium.HBM]) + self._fresh[Medium.HBM]
 
     def match_prefix(self, keys: Sequence[int]) -> list[Block]:
         """The cached blocks of the longest prefix of ``keys``, in order, on any medium.
@@ -230,7 +234,7 @@ class BlockPool:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise PoolError(f"allocate needs a non-negative int, got {n!r}")
-        free = len(self._queues[Medium.HBM])
+        free = len(self._queues[Medium.HBM]) + self._fresh[Medium.HBM]
         if n > free:
             raise PoolExhaustedError(f"need {n} HBM blocks, {free} allocatable")
         self._stats.allocations += n
@@ -282,10 +286,11 @@ class BlockPool:
                 promotions += 1
             elif block.ref_cnt == 0:
                 unused_hbm += 1
-        if promotions > len(hbm_queue) - unused_hbm:
+        allocatable = len(hbm_queue) + self._fresh[Medium.HBM] - unused_hbm
+        if promotions > allocatable:
             raise PoolExhaustedError(
                 f"promoting {promotions} blocks needs {promotions} HBM blocks, "
-                f"{len(hbm_queue) - unused_hbm} allocatable"
+                f"{allocatable} allocatable"
             )
         for block in blocks:
             if block.medium is Medium.HBM:
@@ -375,7 +380,7 @@ class BlockPool:
             block.key = block.parent = None
         self._cached.clear()
         for m in MEDIA:
-            self._empty[m] = len(self._queues[m])
+            self._empty[m] = len(self._queues[m]) + self._fresh[m]
         if self._storage is not None:
             self._storage.record_cleared()
         self._events.append(AllCleared())
@@ -395,6 +400,9 @@ class BlockPool:
         keyed = 0
         for m in MEDIA:
             queue, blocks = self._queues[m], self._blocks[m]
+            if len(blocks) + self._fresh[m] != self._capacity.of(m) or self._fresh[m] < 0:
+                raise PoolError(f"{m}: {len(blocks)} slots made + {self._fresh[m]} unused "
+                                f"!= capacity {self._capacity.of(m)}")  # fmt: skip
             queued = list(queue)
             if len(queued) != len(queue) or len({id(b) for b in queued}) != len(queued):
                 raise PoolError(f"{m} free queue length or links are corrupt")
@@ -419,7 +427,7 @@ class BlockPool:
                         raise PoolError(
                             f"{m} block {b.block_id} holds key {b.key} not mapped to it"
                         )
-            empty = sum(1 for b in queued if b.key is None)
+            empty = sum(1 for b in queued if b.key is None) + self._fresh[m]
             if empty != self._empty[m]:
                 raise PoolError(f"{m} empty count {self._empty[m]} != actual {empty}")
         if keyed != len(self._cached):
@@ -437,9 +445,28 @@ class BlockPool:
             and blocks[block.block_id] is block
         )
 
+    def _pop(self, medium: Medium) -> Block:
+        """The next free slot of ``medium``: a never-used one if any, else the queue head."""
+        if self._fresh[medium]:
+            blocks = self._blocks[medium]
+            block = Block(len(blocks), medium)
+            blocks.append(block)
+            self._fresh[medium] -= 1
+            return block
+        return self._queues[medium].popleft()
+
+    def _materialize(self, medium: Medium) -> None:
+        """Create every never-used slot of ``medium`` now, queued as empty slots."""
+        blocks, queue = self._blocks[medium], self._queues[medium]
+        while self._fresh[medium]:
+            block = Block(len(blocks), medium)
+            blocks.append(block)
+            queue.appendleft(block)
+            self._fresh[medium] -= 1
+
     def _take_hbm(self) -> Block:
         """Pop the HBM free queue head, evicting its key if it has one; return it referenced."""
-        block = self._queues[Medium.HBM].popleft()
+        block = self._pop(Medium.HBM)
         if block.key is None:
             self._empty[Medium.HBM] -= 1
         else:
@@ -450,9 +477,8 @@ class BlockPool:
     def _lower_slot(self, medium: Medium) -> Block | None:
         """An emptied slot on the nearest configured tier below ``medium`` that has one unpinned."""
         for low in self._lower[medium]:
-            queue = self._queues[low]
-            if len(queue):
-                slot = queue.popleft()
+            if len(self._queues[low]) or self._fresh[low]:
+                slot = self._pop(low)
                 if slot.key is None:
                     self._empty[low] -= 1
                 else:
@@ -505,6 +531,7 @@ class BlockPool:
 
     def _restore(self, entries: Iterable[SSDEntry]) -> None:
         """Cache the keys the SSD manifest holds, oldest first, and announce them."""
+        self._materialize(Medium.SSD)
         queue, slots = self._queues[Medium.SSD], self._blocks[Medium.SSD]
         for entry in entries:
             slot = slots[entry.slot]

@@ -336,4 +336,5 @@ def run_suite(
 
 
 if __name__ == "__main__":  # pragma: no cover
-    run_suite(Path("docs/plots"), console=Console())
+    _term = Console()
+    run_suite(Path("docs/plots"), console=_term if _term.is_terminal else Console(width=170))

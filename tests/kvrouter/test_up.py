@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,21 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """``kvrouter up`` with sim workers; killed (with its tree) if a test leaves it running."""
+    proc, port, log = start_up(tmp_path)
+    try:
+        yield proc, port, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
@@ -59,8 +75,10 @@ def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    proc, port, log = start_up(tmp_path)
+def test_up_serves_and_ctrl_c_stops_every_process(
+    started: tuple[subprocess.Popen[bytes], int, Path],
+) -> None:
+    proc, port, log = started
     r = httpx.post(
         f"http://127.0.0.1:{port}/v1/completions",
         json={"model": "tiny", "prompt": "hello there", "max_tokens": 3},
@@ -75,8 +93,10 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert wait_gone(processes) == []
 
 
-def test_killing_up_takes_its_children_with_it(tmp_path: Path) -> None:
-    proc, _, log = start_up(tmp_path)
+def test_killing_up_takes_its_children_with_it(
+    started: tuple[subprocess.Popen[bytes], int, Path],
+) -> None:
+    proc, _, log = started
     children = child_pids(log)
     proc.kill()
     proc.wait(10)
