@@ -272,12 +272,9 @@ class BlockPool:
         hbm_queue = self._queues[Medium.HBM]
         seen: set[int] = set()
         unused_hbm = promotions = 0
+        cached = self._cached
         for block in blocks:
-            if (
-                not self._owns(block)
-                or block.key is None
-                or self._cached.get(block.key) is not block
-            ):
+            if block.key is None or cached.get(block.key) is not block or not self._owns(block):
                 raise PoolError(f"{block!r} is not a cached block of this pool (stale match?)")
             if id(block) in seen:
                 raise PoolError(f"block {block.block_id} ({block.medium}) acquired twice")

@@ -121,8 +121,12 @@ class SchedulerPlan:
 
     def decode_batch(self) -> tuple[int, int]:
         """(sequences decoding, KV tokens they attend to)."""
-        dec = [s for s in self.seqs if s.is_decode]
-        return len(dec), sum(s.num_cached + 1 for s in dec)
+        n = kv = 0
+        for s in self.seqs:
+            if s.is_decode:
+                n += 1
+                kv += s.num_cached + 1
+        return n, kv
 
 
 @dataclass(slots=True)
@@ -243,7 +247,17 @@ class Scheduler:
                 break
             if need > 0:
                 req.block_table.extend(self.pool.allocate(need))
-            plan.seqs.append(self._scheduled(req, num_new))
+            cached = req.num_computed_tokens
+            # Inline _scheduled(): this runs once per running request per step.
+            plan.seqs.append(
+                ScheduledSeq(
+                    req,
+                    cached,
+                    num_new,
+                    cached + num_new >= req.num_tokens,
+                    num_new == 1 and cached >= len(req.prompt_token_ids),
+                )
+            )
             budget -= num_new
             i += 1
         if not plan.preempted:
@@ -308,6 +322,7 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         block_size = self.block_size
         running = RequestStatus.RUNNING
+        max_len = self.config.max_model_len
         for s in plan.seqs:
             req = s.request
             if req.status is not running:
@@ -318,8 +333,18 @@ class Scheduler:
             if not s.want_logits:
                 continue
             token = sampled[req.request_id]
-            req.append_output(token)
-            reason = self._stop_reason(req, token)
+            req.output_token_ids.append(token)
+            req.num_tokens += 1
+            sp = req.sampling
+            # The common case (keep going) without a call: this runs once per token.
+            reason = (
+                self._stop_reason(req, token)
+                if token in req.eos_token_ids
+                or token in sp.stop_token_ids
+                or len(req.output_token_ids) >= sp.max_tokens
+                or req.num_tokens >= max_len
+                else None
+            )
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)

@@ -19,6 +19,9 @@ from indexer.profile import TimingProfile
 
 __all__ = ["SimRunner", "plan_seconds"]
 
+#: Multiplier spreading consecutive positions over the vocabulary (2**64 / golden ratio).
+_STEP = 0x9E3779B97F4A7C15
+
 
 def plan_seconds(profile: TimingProfile, plan: SchedulerPlan, block_size: int) -> float:
     """Modeled duration of ``plan``: one mixed step plus loading its promoted blocks.
@@ -65,16 +68,25 @@ class SimRunner:
             if len(self._bases) > 65536:
                 self._bases.clear()  # forget finished requests; a base is cheap to recompute
             base = self._bases[request_id] = xxhash.xxh3_64_intdigest(request_id.encode())
-        token = (base + position * 0x9E3779B97F4A7C15) % self.vocab_size
+        token = (base + position * _STEP) % self.vocab_size
         while token in self.avoid:
             token = (token + 1) % self.vocab_size
         return token
 
     def execute(self, plan: SchedulerPlan) -> StepResult:
         """Return placeholder tokens and the plan's modeled duration."""
-        sampled = {
-            s.request.request_id: self._token(s.request.request_id, s.request.num_tokens)
-            for s in plan.seqs
-            if s.want_logits
-        }
+        bases, avoid, vocab = self._bases, self.avoid, self.vocab_size
+        sampled: dict[str, int] = {}
+        for s in plan.seqs:
+            if not s.want_logits:
+                continue
+            rid = s.request.request_id
+            base = bases.get(rid)
+            token = -1 if base is None else (base + s.request.num_tokens * _STEP) % vocab
+            # The common case is inlined above (one per decoded token); the rest is rare.
+            sampled[rid] = (
+                token
+                if token >= 0 and token not in avoid
+                else self._token(rid, s.request.num_tokens)
+            )
         return StepResult(sampled, plan_seconds(self._profile, plan, self.block_size), True)

@@ -113,7 +113,8 @@ class MemoryIndex:
             if isinstance(ev, AllCleared):
                 self._clear(hid)
                 continue
-            rank = Medium(ev.medium).rank
+            medium = ev.medium if isinstance(ev.medium, Medium) else Medium(ev.medium)
+            rank = medium.rank
             op = self._store if isinstance(ev, BlockStored) else self._remove
             for key in ev.keys:
                 op(hid, held, key, rank)

@@ -391,6 +391,8 @@ class _Cluster:
         finished = 0
         for out in outputs:
             req = out.request
+            if not out.finished and len(req.output_token_ids) != 1:
+                continue  # a token in the middle of a request: nothing to record
             rec = self.records[self.live[req.request_id]]
             assert rec is not None
             if rec.first_token_s is None:
