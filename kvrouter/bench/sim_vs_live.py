@@ -17,6 +17,7 @@ import asyncio
 import json
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,9 @@ def main() -> None:
     render_table([sim_summary, live_summary], console, title="offline simulator vs online replay")
     if live.errors:
         console.print(f"[red]{live.errors} live requests failed[/red]")
+    for label, records in (("offline", sim.records), ("live", live.records)):
+        per_worker = Counter(r.worker for r in records)
+        console.print(f"{label} requests per worker: {dict(sorted(per_worker.items()))}")
     ratio = live_summary.hit_rate / sim_summary.hit_rate if sim_summary.hit_rate else float("nan")
     console.print(
         f"hit rate: offline {sim_summary.hit_rate:.1%}, live {live_summary.hit_rate:.1%} "

@@ -20,10 +20,11 @@ A step end at the same instant as an arrival is processed first.
 Worker views. With ``view_interval_s == 0`` every routing sees each worker's
 state at that instant (running, waiting, queued prefill tokens, KV usage,
 profile; ``ts`` = now). With ``view_interval_s > 0`` views are heartbeats taken
-every interval; between two of them the router overlays its own accounting, as
-``indexer.views.WorkerView`` describes: ``in_flight`` is exact (the gateway sees
-every dispatch and every response end), and each request routed since the
-heartbeat adds one ``waiting`` and its prompt to ``queued_prefill_tokens``.
+every interval, and the router lays its own accounting over them exactly as the
+gateway does (``kvrouter.gateway.routing.Router.views``): requests in flight,
+and the prompt tokens it routed that have not produced a first token yet (the
+uncached part, by the decision's matched blocks); each term is the larger of
+the heartbeat's and the router's.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
@@ -211,8 +212,8 @@ class _Worker:
     in_flight: int = 0
     step: tuple[SchedulerPlan, StepResult] | None = None
     beat: WorkerView | None = None
-    routed_since_beat: int = 0
-    tokens_since_beat: int = 0
+    #: The router's own count of prompt tokens routed here and not yet prefilled.
+    tracked_prefill: int = 0
 
 
 def _max_model_len(trace: Sequence[TraceRecord], config: SimConfig) -> int:
@@ -261,6 +262,7 @@ class _Cluster:
         self.tiebreak = itertools.count()
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
+        self.pending_prefill: dict[str, int] = {}
         self.next_beat = 0.0
 
     # -- index ------------------------------------------------------------------------
@@ -311,7 +313,6 @@ class _Cluster:
         beat = math.floor(now / interval) * interval
         for w in self.workers:
             w.beat = self.view(w, beat)
-            w.routed_since_beat = w.tokens_since_beat = 0
         self.next_beat = beat + interval
 
     def views(self, now: float) -> list[WorkerView]:
@@ -322,12 +323,13 @@ class _Cluster:
         for w in self.workers:
             beat = w.beat
             assert beat is not None
+            # As the gateway does (kvrouter.gateway.routing.Router.views): its exact
+            # counts laid over the heartbeat, the larger of the two.
             out.append(
                 msgspec.structs.replace(
                     beat,
-                    in_flight=w.in_flight,
-                    waiting=beat.waiting + w.routed_since_beat,
-                    queued_prefill_tokens=beat.queued_prefill_tokens + w.tokens_since_beat,
+                    in_flight=max(beat.in_flight, w.in_flight),
+                    queued_prefill_tokens=max(beat.queued_prefill_tokens, w.tracked_prefill),
                 )
             )
         return out
@@ -360,8 +362,9 @@ class _Cluster:
         request.keys = keys
         w.scheduler.add(request)
         w.in_flight += 1
-        w.routed_since_beat += 1
-        w.tokens_since_beat += len(tokens)
+        uncached = max(len(tokens) - decision.matched_blocks * cfg.block_size, 1)
+        w.tracked_prefill += uncached
+        self.pending_prefill[rid] = uncached
         self.records[i] = RequestRecord(
             i, w.host, now, len(tokens), predicted_ttft_s=decision.predicted_ttft_s
         )
@@ -397,6 +400,7 @@ class _Cluster:
             assert rec is not None
             if rec.first_token_s is None:
                 rec.first_token_s = now
+                w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
             if out.finished:
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
