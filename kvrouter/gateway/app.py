@@ -239,11 +239,12 @@ async def _handle(
     policy = gw.settings.policy
     try:
         session = request.headers.get(gw.settings.session_header) or body.user or None
+        raw: dict[str, Any] = await request.json()
+        # From here to the dispatcher's ticket nothing may suspend: see Router.route.
         routed = await gw.router.route(body, rid, session)
         worker = gw.affinity.prefer(session, routed.decision)
         policy = routed.decision.policy
         candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
-        raw: dict[str, Any] = await request.json()
         wants_usage = body.include_usage
         if body.stream:
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}

@@ -171,18 +171,19 @@ class Router:
         keys = block_keys(ids, self.block_size, self._root(body.model, body.cache_salt or ""))
         t2 = time.perf_counter()
         timings["hash"] = t2 - t1
-        now = time.time()
-        workers = self.views(body.model)
-        if not workers:
-            raise ApiError(
-                503,
-                f"no healthy worker serves `{body.model}` right now",
-                type_="service_unavailable",
-                code="no_worker",
-            )
+        if not self.directory.routable(body.model):
+            raise _no_worker(body.model)
         matches = await self._lookup(keys)
         t3 = time.perf_counter()
         timings["lookup"] = t3 - t2
+        # The views are read after the lookup, with no suspension point between them, the
+        # policy and the dispatcher's ticket: requests whose lookups overlapped (a burst)
+        # each see the load of those decided before them. Read before the lookup, a whole
+        # burst saw the same idle views and piled onto the worker the first one picked.
+        now = time.time()
+        workers = self.views(body.model)
+        if not workers:
+            raise _no_worker(body.model)
         req = RouteRequest(
             request_id=request_id,
             model=body.model,
@@ -240,3 +241,12 @@ class Router:
             "scores": {h: d.scores.get(h, {}) for h in ranked},
             "timings_s": routed.timings,
         }
+
+
+def _no_worker(model: str) -> ApiError:
+    return ApiError(
+        503,
+        f"no healthy worker serves `{model}` right now",
+        type_="service_unavailable",
+        code="no_worker",
+    )

@@ -10,7 +10,10 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from engine_worker.protocol import CompletionRequest
 from engine_worker.server import create_app as create_worker_app
+from engine_worker.tokenizer import load_tokenizer
+from indexer.index.redis_index import RedisIndex
 from indexer.views import WorkerView
 from indexer.wire import Keyspace, encode_view
 from kvrouter.embedded_redis import free_port
@@ -18,6 +21,8 @@ from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.routing import ModelTokens, Router
+from kvrouter.policy_factory import build_policy
 from policies.base import Decision
 from tests.support.cluster import worker_settings
 from tests.support.servers import serve_app
@@ -169,3 +174,38 @@ def test_worker_internal_endpoints_need_the_internal_token() -> None:
         assert ok.json()["host"] == "tok-w"
         # The OpenAI API stays open to the gateway without the token.
         assert httpx.get(f"{url}/v1/models").status_code == 200
+
+
+async def test_a_burst_whose_lookups_overlap_sees_each_others_load(redis_url: str) -> None:
+    """Requests decided while the others' index lookups are in flight must each see the
+    load of those decided before them (the dispatcher's ticket, taken at once), so that a
+    burst sharing one prefix spreads instead of piling onto the first one's worker."""
+    metrics = RouterMetrics(CollectorRegistry())
+    d = WorkerDirectory(metrics=metrics, block_size=16, models={"tiny"})
+    for host in ("w0", "w1"):
+        d.views[host] = WorkerView(
+            host=host, url=f"http://{host}", model="tiny", block_size=16, ts=time.time()
+        )
+    load = LoadTracker()
+    index = RedisIndex(redis_url)
+    router = Router(
+        models={"tiny": ModelTokens(load_tokenizer("tiny"), None)},
+        directory=d, index=index, load=load, policy=build_policy("kv_ttft"),
+        fallback=build_policy("least_load"), metrics=metrics, block_size=16,
+        max_prompt_tokens=8192,
+    )  # fmt: skip
+    system = [7 + (i % 50) for i in range(2048)]
+
+    async def one(i: int) -> str:
+        body = CompletionRequest(model="tiny", prompt=[*system, 100 + i, 101, 102], max_tokens=4)
+        routed = await router.route(body, f"r{i}")
+        load.begin(routed.decision.worker, routed.uncached_tokens())  # what the dispatcher does
+        return routed.decision.worker
+
+    try:
+        chosen = await asyncio.gather(*(one(i) for i in range(8)))
+    finally:
+        await index.close()
+    assert set(chosen) == {"w0", "w1"}, chosen
+    # Every worker got the whole prompt once and then only suffixes behind it.
+    assert sorted(load.load(w).queued_tokens for w in ("w0", "w1"))[0] >= len(system)
