@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 
 __all__ = ["LiveResult", "cluster_views", "replay_live"]
 
+log = logging.getLogger(__name__)
+
 _STEP_SUM = re.compile(rb"^kvworker_engine_step_seconds_sum ([0-9.eE+-]+)$", re.M)
 
 
@@ -47,8 +50,10 @@ class LiveResult:
     errors: int
 
 
-async def cluster_views(redis_url: str, keyspace: Keyspace | None = None) -> list[WorkerView]:
-    """Live workers' views from the registry and heartbeats."""
+async def cluster_views(
+    redis_url: str, keyspace: Keyspace | None = None, *, model: str | None = None
+) -> list[WorkerView]:
+    """Workers with a live heartbeat in the registry (those serving ``model``, if given)."""
     ks = keyspace or Keyspace()
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -56,13 +61,22 @@ async def cluster_views(redis_url: str, keyspace: Keyspace | None = None) -> lis
         beats: list[bytes | None] = [await client.get(ks.heartbeat(h)) for h in hosts]  # type: ignore[misc]
     finally:
         await client.aclose()
-    return [decode_view(b) for b in beats if b is not None]
+    views = [decode_view(b) for b in beats if b is not None]
+    return [v for v in views if model is None or v.model == model]
 
 
 async def _busy(http: httpx.AsyncClient, views: Sequence[WorkerView]) -> dict[str, float]:
+    """Step time so far per worker that answers; a dead worker's heartbeat outlives it by
+    up to its TTL, so one that does not answer is left out, not fatal."""
     out = {}
     for v in views:
-        r = await http.get(f"{v.url}/metrics", timeout=10)
+        try:
+            r = await http.get(f"{v.url}/metrics", timeout=10)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("live replay: worker %s at %s does not answer (%s); left out", v.host,
+                        v.url, exc)  # fmt: skip
+            continue
         m = _STEP_SUM.search(r.content)
         out[v.host] = float(m.group(1)) if m else 0.0
     return out
@@ -111,12 +125,13 @@ async def replay_live(
     """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``)."""
     factory = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
     arrivals = arrival_times(trace, time_scale)
-    views = await cluster_views(redis_url) if redis_url else []
+    views = await cluster_views(redis_url, model=model) if redis_url else []
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     records = [RequestRecord(i, "?", arrivals[i], rec.input_length) for i, rec in enumerate(trace)]
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         before = await _busy(http, views)
+        views = [v for v in views if v.host in before]
         t0 = time.perf_counter()
 
         async def run(i: int) -> bool:

@@ -58,3 +58,65 @@ def test_live_replay_reports_every_request_and_the_shared_prefixes(cluster: Clus
     # Later turns reuse their session's earlier turns.
     assert summary.hit_rate > 0.3
     assert summary.hit_rate <= result.oracle.unbounded_hit_rate + 1e-9
+
+
+def test_live_replay_leaves_out_workers_that_died_or_serve_another_model(
+    cluster: Cluster,
+) -> None:
+    """A dead worker's heartbeat outlives it by up to its TTL: the replay must not trip
+    over it, and it counts neither its capacity (oracle) nor its busy time."""
+    import time
+
+    import redis.asyncio as aioredis
+
+    from indexer.media import Medium
+    from indexer.registry import RedisHostRegistry
+    from indexer.views import WorkerView
+    from indexer.wire import Keyspace, encode_view
+    from kvrouter.bench.live import cluster_views
+    from kvrouter.embedded_redis import free_port
+
+    ks = Keyspace()
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def register_ghosts() -> None:
+        client = aioredis.Redis.from_url(cluster.redis_url)
+        try:
+            for host, model in (("ghost-tiny", "tiny"), ("ghost-other", "other-model")):
+                await RedisHostRegistry(client, ks).get_or_create(host)
+                view = WorkerView(
+                    host=host, url=dead_url, model=model, block_size=16, ts=time.time(),
+                    kv_capacity_blocks={Medium.HBM: 10**6},
+                )  # fmt: skip
+                await client.set(ks.heartbeat(host), encode_view(view), px=60_000)
+        finally:
+            await client.aclose()
+
+    async def drop_ghosts() -> None:
+        client = aioredis.Redis.from_url(cluster.redis_url)
+        try:
+            await client.delete(ks.heartbeat("ghost-tiny"), ks.heartbeat("ghost-other"))
+        finally:
+            await client.aclose()
+
+    asyncio.run(register_ghosts())
+    try:
+        listed = {v.host for v in asyncio.run(cluster_views(cluster.redis_url, model="tiny"))}
+        assert "ghost-tiny" in listed
+        assert "ghost-other" not in listed
+        trace = [
+            TraceRecord(timestamp=i * 50, input_length=400, output_length=2, hash_ids=[7000 + i])
+            for i in range(3)
+        ]
+        result = asyncio.run(
+            replay_live(
+                trace, cluster.gateway, model="tiny", time_scale=1.0, redis_url=cluster.redis_url
+            )
+        )
+    finally:
+        asyncio.run(drop_ghosts())
+    assert result.errors == 0
+    assert set(result.busy_s) == set(cluster.workers)
+    assert result.oracle is not None
+    # The ghost's million HBM blocks are not in the bound's capacity.
+    assert result.oracle.capacity_blocks < 10**6
