@@ -41,7 +41,12 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | N
 def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> Iterator[str]:
     """Run ``app`` with uvicorn on 127.0.0.1 in a thread; yields its base URL."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    # A bounded graceful shutdown: a request still open after it is cancelled, so the app's
+    # lifespan shutdown (a worker's heartbeat stop) always runs and nothing outlives the test.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+        timeout_graceful_shutdown=10,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -57,7 +62,9 @@ def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> 
         yield base
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(60)
+        if thread.is_alive():
+            raise RuntimeError(f"the server on port {port} did not stop within 60 s")
 
 
 class ServerProcess:
