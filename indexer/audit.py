@@ -20,18 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from rich.table import Table
 
 from indexer.index.base import KVIndex
+from indexer.ingest_reader import Client
 from indexer.media import MEDIA, Medium
 from indexer.views import WorkerView
 from indexer.wire import Keyspace, decode_view
 
 __all__ = ["AuditReport", "HostAudit", "MediumDiff", "audit", "compare", "live_workers", "render"]
-
-Client = aioredis.Redis | RedisCluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,9 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from indexer.events import EventBatch, EventDecodeError, Snapshot, decode_message
@@ -57,14 +55,13 @@ from indexer.index.base import ApplyStatus, KVIndex, KVIndexError
 from indexer.ingest_host import START_ID, HostState
 from indexer.ingest_lease import HostLeases, LeaseChanges
 from indexer.ingest_metrics import IngestMetrics
-from indexer.ingest_reader import Entries, StreamReader, open_client
+from indexer.ingest_reader import Client, Entries, StreamReader, open_client
 from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace
 
 __all__ = ["IngestConfig", "Ingester", "default_replica_id"]
 
 log = logging.getLogger(__name__)
 
-Client = aioredis.Redis | RedisCluster
 _RETRYABLE = (RedisError, OSError, KVIndexError)
 
 

@@ -26,15 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 import xxhash
-from redis.asyncio.cluster import RedisCluster
 
+from indexer.ingest_reader import Client
 from indexer.wire import Keyspace
 
 __all__ = ["HostLeases", "LeaseChanges"]
 
-Client = aioredis.Redis | RedisCluster
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
