@@ -60,13 +60,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
 from redis.exceptions import RedisError
 
 from indexer.events import AllCleared, BlockRemoved, BlockStored, Event, EventBatch, Snapshot
 from indexer.index.base import ApplyStatus, IndexUnavailableError, KVIndex
+from indexer.ingest_reader import Client
 from indexer.keys import block_keys, root_parent
 from indexer.media import MEDIA, Medium
 from indexer.views import WorkerView
@@ -359,7 +359,7 @@ class AdapterStats:
 
 @dataclass(slots=True)
 class _Heartbeat:
-    client: aioredis.Redis
+    client: Client
     view: WorkerView
     keyspace: Keyspace
     interval_s: float
@@ -392,7 +392,7 @@ class VllmAdapter:
         replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout_s: float = 1.0,
-        heartbeat: tuple[aioredis.Redis, WorkerView] | None = None,
+        heartbeat: tuple[Client, WorkerView] | None = None,
         keyspace: Keyspace | None = None,
         heartbeat_interval_s: float = 1.0,
         heartbeat_ttl_s: float = 5.0,
@@ -433,11 +433,16 @@ class VllmAdapter:
             self._tasks.append(asyncio.create_task(self._heartbeat(self._beat)))
 
     async def stop(self) -> None:
-        """Stop consuming and close the sockets (the heartbeat then expires)."""
+        """Stop consuming, withdraw the heartbeat (routers drop the engine at once; the
+        index keeps its entries until the ingester purges the host) and close the sockets."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        started = bool(self._tasks)
         self._tasks = []
+        if self._beat is not None and started:
+            with contextlib.suppress(RedisError, OSError):
+                await self._beat.client.delete(self._beat.keyspace.heartbeat(self.host))
         for sock in (self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

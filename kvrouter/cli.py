@@ -12,6 +12,7 @@ from kvrouter.bench.cli import bench_app
 from kvrouter.commands import indexer as indexer_command
 from kvrouter.commands import serve as serve_command
 from kvrouter.commands import up as up_command
+from kvrouter.commands import vllm_adapter as vllm_adapter_command
 from kvrouter.commands import worker as worker_command
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ worker_command.register(app)
 serve_command.register(app)
 up_command.register(app)
 indexer_command.register(app)
+vllm_adapter_command.register(app)
 
 
 def main() -> None:

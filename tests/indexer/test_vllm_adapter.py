@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -357,6 +359,68 @@ async def test_a_purged_host_is_restored_from_the_adapters_map_and_heartbeats(
         assert await index.entries(HOST) == held(hbm=k)
     await index.close()
     await client.aclose()
+
+
+async def test_the_cli_command_indexes_the_engine_heartbeats_it_and_withdraws_on_sigint(
+    redis_url: str, tmp_path: Any
+) -> None:
+    """``kvrouter vllm-adapter`` as an operator runs it: its own process, real ZMQ, real Redis."""
+    v = Layout("map")
+    ks = Keyspace()
+    ctx = zmq.asyncio.Context()
+    vllm = FakeVllm(ctx)
+    index = RedisIndex(redis_url, ks)
+    client = aioredis.Redis.from_url(redis_url)
+    host = "vllm-cli"
+    log = (tmp_path / "adapter.log").open("wb")
+    args = ["--endpoint", vllm.endpoint, "--replay-endpoint", vllm.replay_endpoint,
+            "--topic", "kv-events", "--host", host, "--model", MODEL, "--url", "http://vllm:8000/",
+            "--redis", redis_url, "--block-size", str(B), "--hbm-blocks", "1000",
+            "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrouter", "vllm-adapter", *args, stdout=log, stderr=log
+    )
+    try:
+        await vllm.subscribed()
+        await vllm.publish(v.batch(v.stored([11, 12], None, T[: 2 * B])))
+        await vllm.publish(v.batch(v.stored([13], 12, T[2 * B :], medium="CPU")))
+        k = chain(T)
+
+        async def indexed() -> bool:
+            return await index.entries(host) == held(hbm=k[:2], dram=k[2:])
+
+        await eventually(indexed, what="the engine's blocks in the index")
+        beat: Any = await client.get(ks.heartbeat(host))
+        view = decode_view(beat)
+        assert (view.url, view.model, view.block_size) == ("http://vllm:8000", MODEL, B)
+        assert view.kv_capacity_blocks == {HBM: 1000}
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        # Withdrawn at once, so routers stop sending requests to an engine nobody tracks.
+        assert await client.get(ks.heartbeat(host)) is None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log.close()
+        await vllm.close()
+        ctx.term()
+        await index.close()
+        await client.aclose()
+    assert b"Traceback" not in (tmp_path / "adapter.log").read_bytes()
+
+
+def test_the_cli_command_refuses_a_heartbeat_ttl_under_its_interval() -> None:
+    from typer.testing import CliRunner
+
+    from kvrouter.cli import app
+
+    result = CliRunner().invoke(app, [
+        "vllm-adapter", "--endpoint", "tcp://127.0.0.1:1", "--host", "h", "--model", "m",
+        "--url", "http://h", "--heartbeat-interval", "2", "--heartbeat-ttl", "1",
+    ])  # fmt: skip
+    assert result.exit_code == 2
+    assert "heartbeat-ttl" in result.output
 
 
 # -- the translator alone -------------------------------------------------------------------
