@@ -26,6 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import CONTROL_FIELD, OP_SNAPSHOT, Keyspace, encode_view
 
@@ -75,9 +76,7 @@ class Presence:
 
     async def stop(self, *, deregister: bool = True) -> None:
         """Stop; with ``deregister`` delete the heartbeat so routers drop the worker at once."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if deregister:
             with contextlib.suppress(RedisError, OSError):

@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from indexer.events import AllCleared, BlockStored, Event, EventBatch, Snapshot, encode_message
 from indexer.media import Medium
+from indexer.tasks import cancel_and_wait
 from indexer.wire import EVENT_FIELD, Keyspace
 
 __all__ = ["EventPublisher", "PublisherStats", "new_epoch"]
@@ -141,8 +142,7 @@ class EventPublisher:
             await asyncio.wait_for(self.flush(), flush_timeout)
         except (TimeoutError, RedisError, OSError):
             log.warning("publisher %s stopped with %d batches unsent", self.host, len(self._outbox))
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         self._task = None
 
     async def flush(self) -> None:

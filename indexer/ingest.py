@@ -56,6 +56,7 @@ from indexer.ingest_host import START_ID, HostState
 from indexer.ingest_lease import HostLeases, LeaseChanges
 from indexer.ingest_metrics import IngestMetrics
 from indexer.ingest_reader import Client, Entries, StreamReader, open_client
+from indexer.tasks import cancel_and_wait
 from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace
 
 __all__ = ["IngestConfig", "Ingester", "default_replica_id"]
@@ -188,8 +189,7 @@ class Ingester:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), self.config.block_ms / 1000 + 10)
             except TimeoutError:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await cancel_and_wait([self._task])
             self._task = None
         if self._client is not None:
             try:

@@ -69,6 +69,7 @@ from indexer.index.base import ApplyStatus, IndexUnavailableError, KVIndex
 from indexer.ingest_reader import Client
 from indexer.keys import block_keys, root_parent
 from indexer.media import MEDIA, Medium
+from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import Keyspace, encode_view
 
@@ -435,10 +436,8 @@ class VllmAdapter:
     async def stop(self) -> None:
         """Stop consuming, withdraw the heartbeat (routers drop the engine at once; the
         index keeps its entries until the ingester purges the host) and close the sockets."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         started = bool(self._tasks)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if self._beat is not None and started:
             with contextlib.suppress(RedisError, OSError):

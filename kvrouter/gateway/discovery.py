@@ -32,6 +32,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import Keyspace, decode_view
 from kvrouter.gateway.metrics import RouterMetrics
@@ -69,8 +70,7 @@ class WorkerDirectory:
     async def stop(self) -> None:
         """Stop refreshing."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def _run(self) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.tasks import cancel_and_wait
 from indexer.wire import Keyspace
 
 __all__ = ["Load", "LoadTracker", "Ticket"]
@@ -119,8 +120,7 @@ class LoadTracker:
     async def stop(self) -> None:
         """Stop syncing and drop this replica's lease at once."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
         if self.client is not None:
             try:
