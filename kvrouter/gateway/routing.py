@@ -171,8 +171,6 @@ class Router:
         keys = block_keys(ids, self.block_size, self._root(body.model, body.cache_salt or ""))
         t2 = time.perf_counter()
         timings["hash"] = t2 - t1
-        if not self.directory.routable(body.model):
-            raise _no_worker(body.model)
         matches = await self._lookup(keys)
         t3 = time.perf_counter()
         timings["lookup"] = t3 - t2
@@ -183,7 +181,12 @@ class Router:
         now = time.time()
         workers = self.views(body.model)
         if not workers:
-            raise _no_worker(body.model)
+            raise ApiError(
+                503,
+                f"no healthy worker serves `{body.model}` right now",
+                type_="service_unavailable",
+                code="no_worker",
+            )
         req = RouteRequest(
             request_id=request_id,
             model=body.model,
@@ -241,12 +244,3 @@ class Router:
             "scores": {h: d.scores.get(h, {}) for h in ranked},
             "timings_s": routed.timings,
         }
-
-
-def _no_worker(model: str) -> ApiError:
-    return ApiError(
-        503,
-        f"no healthy worker serves `{model}` right now",
-        type_="service_unavailable",
-        code="no_worker",
-    )

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +65,9 @@ def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> 
         server.should_exit = True
         thread.join(60)
         if thread.is_alive():
-            raise RuntimeError(f"the server on port {port} did not stop within 60 s")
+            frame = sys._current_frames().get(thread.ident or 0)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            raise RuntimeError(f"the server on port {port} did not stop within 60 s; at:\n{stack}")
 
 
 class ServerProcess:
