@@ -50,7 +50,7 @@ from indexer.index.layout import pack_keys
 from indexer.media import MEDIA, Medium
 from kvrouter.embedded_redis import EmbeddedRedis
 
-__all__ = ["Row", "main", "run"]
+__all__ = ["Row", "ingest_batches", "main", "run"]
 
 BLOCK_SIZE = 16
 #: A lookup of a chain of block keys, whatever the layout.
@@ -291,8 +291,9 @@ async def _naive_match(client: aioredis.Redis, prefix: str, chain: list[int]) ->
 # -- 2. ingest ---------------------------------------------------------------------------
 
 
-def _ingest_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list[list[EventBatch]]:
-    """Per host, ``batches`` batches in order: 3/4 new blocks stored, 1/4 earlier ones removed."""
+def ingest_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list[list[EventBatch]]:
+    """Per host, ``batches`` batches in order: 3/4 new blocks stored, 1/4 earlier ones removed
+    (also the ingester benchmark's work, :mod:`kvrouter.bench.ingest_bench`)."""
     rng = random.Random(seed)
     out = []
     for h in range(hosts):
@@ -306,7 +307,7 @@ def _ingest_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list
             events: list[BlockStored | BlockRemoved] = [BlockStored(new, None, Medium.HBM)]
             if gone:
                 events.append(BlockRemoved(gone, Medium.HBM))
-            seq_batches.append(EventBatch(f"worker-{h}", 1, seq, 0.0, list(events)))
+            seq_batches.append(EventBatch(f"worker-{h}", 1, seq, time.time(), list(events)))
         out.append(seq_batches)
     return out
 
@@ -377,7 +378,7 @@ async def bench_ingest(
     Ours and the baseline alternate ``repeat`` times on fresh servers; each keeps
     its best round (the machine is shared: the best round is the least disturbed).
     """
-    work = _ingest_batches(hosts, batches, per_batch, seed)
+    work = ingest_batches(hosts, batches, per_batch, seed)
     rounds = [
         (await _ingest_rate("ours", work), await _ingest_rate("naive", work)) for _ in range(repeat)
     ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,38 +31,17 @@ import typer
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
-from indexer.events import BlockRemoved, BlockStored, EventBatch, encode_message
+from indexer.events import EventBatch, encode_message
 from indexer.index import RedisIndex
 from indexer.index.base import batch_blocks
 from indexer.ingest import IngestConfig, Ingester
 from indexer.ingest_metrics import IngestMetrics
-from indexer.media import Medium
 from indexer.registry import RedisHostRegistry
 from indexer.wire import EVENT_FIELD, Keyspace
-from kvrouter.bench.index_bench import Row, render
+from kvrouter.bench.index_bench import Row, ingest_batches, render
 from kvrouter.embedded_redis import EmbeddedRedis
 
-__all__ = ["main", "make_batches", "run"]
-
-
-def make_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list[list[EventBatch]]:
-    """Per host, ``batches`` batches in order: 3/4 new blocks stored, 1/4 earlier ones removed."""
-    rng = random.Random(seed)
-    out = []
-    for h in range(hosts):
-        held: list[int] = []
-        mine = []
-        for seq in range(1, batches + 1):
-            n_remove = min(len(held), per_batch // 4)
-            gone = [held.pop(rng.randrange(len(held))) for _ in range(n_remove)]
-            new = [rng.getrandbits(64) for _ in range(per_batch - n_remove)]
-            held += new
-            events: list[BlockStored | BlockRemoved] = [BlockStored(new, None, Medium.HBM)]
-            if gone:
-                events.append(BlockRemoved(gone, Medium.HBM))
-            mine.append(EventBatch(f"worker-{h}", 1, seq, time.time(), list(events)))
-        out.append(mine)
-    return out
+__all__ = ["main", "run"]
 
 
 async def direct_rate(work: list[list[EventBatch]]) -> float:
@@ -119,7 +97,7 @@ async def ingester_rate(work: list[list[EventBatch]], read_count: int) -> float:
 async def run(hosts: int = 64, batches: int = 30, per_batch: int = 128, read_count: int = 256,
               repeat: int = 3, seed: int = 1) -> list[Row]:  # fmt: skip
     """Both paths, alternating ``repeat`` times on fresh servers; each keeps its best round."""
-    work = make_batches(hosts, batches, per_batch, seed)
+    work = ingest_batches(hosts, batches, per_batch, seed)
     rounds = [
         (await ingester_rate(work, read_count), await direct_rate(work)) for _ in range(repeat)
     ]
