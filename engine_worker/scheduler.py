@@ -39,6 +39,7 @@ __all__ = [
     "ScheduledSeq",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerLoad",
     "SchedulerPlan",
     "StepOutput",
 ]
@@ -139,6 +140,36 @@ class StepOutput:
     finish_reason: FinishReason | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """What a router needs to know of one worker's load (its heartbeat's load fields).
+
+    Attributes:
+        running: Requests in the running queue.
+        waiting: Requests waiting to start (or preempted).
+        queued_prefill_tokens: Tokens still to prefill (:meth:`Scheduler.queued_prefill_tokens`).
+        queued_prefill_context: Attention work of that prefill: over every queued
+            request, ``new * (cached + new / 2)``, the context its new tokens attend to
+            summed (a long prompt's later chunks attend to everything before them).
+        running_kv_tokens: Context tokens of the running requests (what a decode step reads).
+        active_blocks: HBM blocks the running requests hold (free cached blocks excluded).
+        mean_output_tokens: Moving average of the tokens finished requests generated
+            (0.0 until one finished): how long a request holds its KV memory.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    queued_prefill_context: int = 0
+    running_kv_tokens: int = 0
+    active_blocks: int = 0
+    mean_output_tokens: float = 0.0
+
+
+#: Weight of the newest finished request in :attr:`SchedulerLoad.mean_output_tokens`.
+_OUTPUT_EWMA = 0.05
+
+
 class Scheduler:
     """Waiting and running queues over one :class:`BlockPool`."""
 
@@ -155,6 +186,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._mean_output = 0.0
 
     # -- queue management -------------------------------------------------------------------
 
@@ -212,11 +244,32 @@ class Scheduler:
         A waiting request counts only what its prefix hit at queueing time will not
         cover, so a worker holding its queue's prefixes does not look busier than it is.
         """
-        waiting = sum(
-            r.num_tokens - max(r.num_computed_tokens, r.expected_cached_tokens)
-            for r in self.waiting
+        return self.load().queued_prefill_tokens
+
+    def load(self) -> SchedulerLoad:
+        """The load summary a heartbeat publishes; O(running + waiting)."""
+        queued = context = 0
+        for r in self.waiting:
+            cached = max(r.num_computed_tokens, r.expected_cached_tokens)
+            new = r.num_tokens - cached
+            queued += new
+            context += new * cached + new * new // 2
+        running_kv = 0
+        for r in self.running:
+            running_kv += r.num_tokens
+            new = r.num_tokens - r.num_computed_tokens
+            if new > 1:
+                queued += new
+                context += new * r.num_computed_tokens + new * new // 2
+        return SchedulerLoad(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            queued_prefill_tokens=queued,
+            queued_prefill_context=context,
+            running_kv_tokens=running_kv,
+            active_blocks=self.pool.capacity().hbm - self.pool.num_free(Medium.HBM),
+            mean_output_tokens=self._mean_output,
         )
-        return waiting + sum(r.remaining_prefill for r in self.running if r.remaining_prefill > 1)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -384,6 +437,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if reason is not FinishReason.ABORT:
+            n = len(req.output_token_ids)
+            mean = self._mean_output
+            self._mean_output = n if mean == 0.0 else mean + _OUTPUT_EWMA * (n - mean)
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

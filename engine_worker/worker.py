@@ -26,7 +26,7 @@ from engine_worker.profiles import default_profile, load_profile
 from engine_worker.publisher import EventPublisher, new_epoch
 from engine_worker.runners.base import Runner
 from engine_worker.runners.sim import SimRunner
-from engine_worker.scheduler import Scheduler, SchedulerConfig
+from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad
 from engine_worker.settings import WorkerSettings
 from engine_worker.tiers import TierStorage
 from engine_worker.tokenizer import Tokenizer, load_tokenizer
@@ -46,9 +46,7 @@ log = logging.getLogger(__name__)
 class EngineState:
     """The engine's load as of its last step (read by heartbeats without touching the pool)."""
 
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
+    load: SchedulerLoad = field(default_factory=SchedulerLoad)
     used_blocks: dict[Medium, int] = field(default_factory=dict)
     moves: PoolStats = field(default_factory=PoolStats)
 
@@ -240,9 +238,7 @@ class Worker:
 
     def _refresh_state(self, scheduler: Scheduler) -> None:
         self.state = EngineState(
-            running=scheduler.num_running,
-            waiting=scheduler.num_waiting,
-            queued_prefill_tokens=scheduler.queued_prefill_tokens(),
+            load=scheduler.load(),
             used_blocks=scheduler.pool.usage(),
             moves=scheduler.pool.stats(),
         )
@@ -266,6 +262,7 @@ class Worker:
     def view(self) -> WorkerView:
         """This worker as routers see it (heartbeat payload)."""
         st = self.state
+        load = st.load
         cap = self.pool.capacity()
         return WorkerView(
             host=self.name,
@@ -274,10 +271,14 @@ class Worker:
             block_size=self.block_size,
             role=self.settings.role,
             epoch=self.epoch,
-            running=st.running,
-            waiting=st.waiting,
-            in_flight=st.running + st.waiting,
-            queued_prefill_tokens=st.queued_prefill_tokens,
+            running=load.running,
+            waiting=load.waiting,
+            in_flight=load.running + load.waiting,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            queued_prefill_context=load.queued_prefill_context,
+            running_kv_tokens=load.running_kv_tokens,
+            kv_active_blocks=load.active_blocks,
+            mean_output_tokens=load.mean_output_tokens,
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=dict(st.used_blocks),
             load_bandwidth=self.load_bandwidth(),
@@ -289,9 +290,9 @@ class Worker:
         """Refresh gauges from the latest engine state (called on /metrics scrapes)."""
         m = self.metrics
         st = self.state
-        m.running.set(st.running)
-        m.waiting.set(st.waiting)
-        m.queued_prefill_tokens.set(st.queued_prefill_tokens)
+        m.running.set(st.load.running)
+        m.waiting.set(st.load.waiting)
+        m.queued_prefill_tokens.set(st.load.queued_prefill_tokens)
         cap = self.pool.capacity()
         for med in MEDIA:
             used = st.used_blocks.get(med, 0)

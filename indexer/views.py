@@ -42,6 +42,13 @@ class WorkerView(msgspec.Struct, kw_only=True):
         waiting: Requests queued, not started.
         in_flight: Requests accepted and not finished (running + waiting + routed).
         queued_prefill_tokens: Prompt tokens still to prefill across its queue.
+        queued_prefill_context: Attention work of that prefill: over the queued
+            requests, ``new * (cached + new / 2)`` tokens (0 when not published).
+        running_kv_tokens: Context tokens the running requests hold, what every
+            decode step reads (0 when not published).
+        kv_active_blocks: HBM blocks held by running requests, cached free blocks
+            excluded: the KV memory a new request competes for (0 when not published).
+        mean_output_tokens: Recent mean of generated tokens per request (0.0: unknown).
         kv_capacity_blocks: Blocks per medium.
         kv_used_blocks: Blocks holding data per medium (in use or cached).
         load_bandwidth: Measured bytes/s moving KV from each medium into HBM.
@@ -59,6 +66,10 @@ class WorkerView(msgspec.Struct, kw_only=True):
     waiting: int = 0
     in_flight: int = 0
     queued_prefill_tokens: int = 0
+    queued_prefill_context: int = 0
+    running_kv_tokens: int = 0
+    kv_active_blocks: int = 0
+    mean_output_tokens: float = 0.0
     kv_capacity_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
     kv_used_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
     load_bandwidth: dict[Medium, float] = msgspec.field(default_factory=dict)

@@ -288,17 +288,21 @@ class _Cluster:
 
     def view(self, w: _Worker, now: float) -> WorkerView:
         """The worker as its heartbeat at ``now`` would describe it."""
-        s = w.scheduler
+        load = w.scheduler.load()
         cap = self.capacity
         return WorkerView(
             host=w.host,
             model=self.config.model,
             block_size=self.config.block_size,
             epoch=w.epoch,
-            running=len(s.running),
-            waiting=len(s.waiting),
+            running=load.running,
+            waiting=load.waiting,
             in_flight=w.in_flight,
-            queued_prefill_tokens=s.queued_prefill_tokens(),
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            queued_prefill_context=load.queued_prefill_context,
+            running_kv_tokens=load.running_kv_tokens,
+            kv_active_blocks=load.active_blocks,
+            mean_output_tokens=load.mean_output_tokens,
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=w.pool.usage(),
             profile=self.profile,

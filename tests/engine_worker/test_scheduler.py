@@ -281,3 +281,50 @@ def test_queued_prefill_tokens_discount_the_prefix_a_waiting_request_will_hit() 
     s.add(req("cold", list(range(900, 935)), max_tokens=1))
     # "hit" will reuse the 32 cached tokens: only its 3 new tokens are queued work.
     assert s.queued_prefill_tokens() == 3 + 35
+
+
+def test_load_reports_chunked_prefill_work_running_context_and_active_memory() -> None:
+    s, r, pool = make(hbm=64, budget=16, max_model_len=128)
+    s.add(req("long", list(range(40)), max_tokens=3))
+    s.add(req("short", list(range(100, 106)), max_tokens=3))
+    load = s.load()
+    # Nothing ran yet: both prompts are queued, each attending to itself (new^2 / 2).
+    assert (load.running, load.waiting) == (0, 2)
+    assert load.queued_prefill_tokens == 46
+    assert load.queued_prefill_context == 40 * 40 // 2 + 6 * 6 // 2
+    assert load.active_blocks == 0
+    plan = s.schedule()
+    s.update(plan, r.execute(plan).sampled)
+    load = s.load()
+    # The first 16-token chunk of "long" ran: its 24 tokens left attend to the 16 before
+    # them and to each other; "short" still waits.
+    assert load.running == 1
+    assert load.queued_prefill_tokens == 24 + 6
+    assert load.queued_prefill_context == 24 * 16 + 24 * 24 // 2 + 6 * 6 // 2
+    assert load.running_kv_tokens == 40
+    # Blocks are taken chunk by chunk: the 16 computed tokens hold 4 blocks so far.
+    assert load.active_blocks == in_use(pool) == 16 // B
+    run_to_end(s, r)
+    load = s.load()
+    # Finished: the blocks stay cached but are free for new requests, so none is active.
+    assert (load.running, load.waiting, load.active_blocks, load.running_kv_tokens) == (0, 0, 0, 0)
+    assert pool.usage()[Medium.HBM] > 0
+    assert load.mean_output_tokens == pytest.approx(3.0)
+
+
+def test_mean_output_tracks_finished_requests_and_ignores_aborts() -> None:
+    s, r, _ = make(max_model_len=128)
+    assert s.load().mean_output_tokens == 0.0
+    s.add(req("a", list(range(8)), max_tokens=10))
+    run_to_end(s, r)
+    assert s.load().mean_output_tokens == pytest.approx(10.0)
+    s.add(req("b", list(range(20, 28)), max_tokens=30))
+    run_to_end(s, r)
+    # A moving average: the newest request moves it part of the way.
+    mean = s.load().mean_output_tokens
+    assert 10.0 < mean < 30.0
+    s.add(req("gone", list(range(40, 48)), max_tokens=50))
+    plan = s.schedule()
+    s.update(plan, r.execute(plan).sampled)
+    s.abort("gone")
+    assert s.load().mean_output_tokens == pytest.approx(mean)

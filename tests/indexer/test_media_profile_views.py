@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from indexer.media import MEDIA, Medium
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, WorkerView
+from indexer.wire import decode_view, encode_view
 
 
 def test_media_are_ordered_fastest_first_and_demote_downwards() -> None:
@@ -110,3 +112,25 @@ def test_worker_view_usage_and_bandwidth_fallback() -> None:
     assert v.bandwidth(Medium.DRAM) == 1e9
     v.load_bandwidth[Medium.DRAM] = 5e9
     assert v.bandwidth(Medium.DRAM) == 5e9
+
+
+def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_decode() -> None:
+    v = WorkerView(
+        host="w",
+        model="m",
+        block_size=16,
+        running=3,
+        queued_prefill_tokens=900,
+        queued_prefill_context=450_000,
+        running_kv_tokens=12_000,
+        kv_active_blocks=800,
+        mean_output_tokens=212.5,
+        kv_capacity_blocks={Medium.HBM: 1000},
+    )
+    assert decode_view(encode_view(v)) == v
+    # A heartbeat from a worker that predates these fields: they read as "not published".
+    old = msgspec.msgpack.encode({"host": "w", "model": "m", "block_size": 16, "running": 2})
+    back = decode_view(old)
+    assert back.running == 2
+    assert (back.queued_prefill_context, back.running_kv_tokens, back.kv_active_blocks) == (0, 0, 0)
+    assert back.mean_output_tokens == 0.0
