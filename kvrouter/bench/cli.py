@@ -3,6 +3,7 @@
 ::
 
     kvrouter bench gen chat --out chat.jsonl --seed 1 --sessions 200 --turns 6
+    kvrouter bench gen conversation --out conv.jsonl --seed 1
     kvrouter bench sim --trace chat.jsonl --workers 8 --policies all --json out.json --plots plots/
     kvrouter bench suite --out-dir docs/plots
 """
@@ -16,6 +17,7 @@ import typer
 from rich.console import Console
 
 from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+from kvrouter.bench.compare import compare_policies, describe_trace, parse_policies
 from kvrouter.bench.report import (
     BenchReport,
     plot_hit_rates,
@@ -25,12 +27,14 @@ from kvrouter.bench.report import (
     write_json,
 )
 from kvrouter.bench.simulator import SimConfig, SimulationError
-from kvrouter.bench.suite import compare_policies, describe_trace, parse_policies, run_suite
+from kvrouter.bench.suite import CASES, SETS, run_suite
 from kvrouter.bench.trace import TraceError, TraceRecord, read_trace, write_trace
 from kvrouter.bench.workloads import (
     AgentWorkload,
     ChatWorkload,
+    ConversationWorkload,
     GroupsWorkload,
+    MixedWorkload,
     Workload,
     WorkloadError,
     generate,
@@ -120,6 +124,44 @@ def gen_agent(
     values = dict(locals())
     del values["out"], values["seed"]
     _write(_build(AgentWorkload, **values), out, seed)
+
+
+@gen_app.command("conversation")
+def gen_conversation(
+    out: Out,
+    seed: Seed = 0,
+    sessions: Annotated[int, typer.Option(help="Sessions.")] = 900,
+    session_rate: Annotated[float, typer.Option(help="Sessions started per second.")] = 1.0,
+    arrival_shape: Annotated[float, typer.Option(help="Gamma shape of session gaps.")] = 0.5,
+    turns_mean: Annotated[float, typer.Option(help="Mean turns per session.")] = 1.8,
+    apps: Annotated[int, typer.Option(help="Apps, each with a system prompt.")] = 8,
+    system_tokens: Annotated[int, typer.Option(help="App system prompt.")] = 1536,
+    documents: Annotated[int, typer.Option(help="Shared documents.")] = 200,
+    document_share: Annotated[float, typer.Option(help="Sessions opening on a document.")] = 0.12,
+    paste_share: Annotated[float, typer.Option(help="Sessions opening with a long paste.")] = 0.5,
+) -> None:
+    """Production-shaped multi-turn chat: heavy-tailed prompts (mean ~13K, tail past 100K)."""
+    values = dict(locals())
+    del values["out"], values["seed"]
+    _write(_build(ConversationWorkload, **values), out, seed)
+
+
+@gen_app.command("mixed")
+def gen_mixed(
+    out: Out,
+    seed: Seed = 0,
+    requests: Annotated[int, typer.Option(help="Requests.")] = 3000,
+    rate: Annotated[float, typer.Option(help="Requests per second.")] = 4.0,
+    arrival_shape: Annotated[float, typer.Option(help="Gamma shape of request gaps.")] = 0.3,
+    apps: Annotated[int, typer.Option(help="Apps, each with a system prompt.")] = 16,
+    system_tokens: Annotated[int, typer.Option(help="App system prompt.")] = 1024,
+    long_share: Annotated[float, typer.Option(help="Share of long document prompts.")] = 0.1,
+    documents: Annotated[int, typer.Option(help="Shared documents.")] = 120,
+) -> None:
+    """Short API prompts and 16K-126K document prompts arriving together, in bursts."""
+    values = dict(locals())
+    del values["out"], values["seed"]
+    _write(_build(MixedWorkload, **values), out, seed)
 
 
 def _console() -> Console:
@@ -266,6 +308,30 @@ def suite(
         "docs/plots"
     ),
     quick: Annotated[bool, typer.Option(help="Tiny traces (a smoke run).")] = False,
+    sets: Annotated[
+        str, typer.Option("--set", help="Comma-separated sets: tune, report.")
+    ] = "tune,report",
+    only: Annotated[
+        str, typer.Option(help="Comma-separated workloads to run (default: all).")
+    ] = "",
+    jobs: Annotated[int | None, typer.Option(help="Parallel replays [cores].")] = None,
+    plots: Annotated[bool, typer.Option(help="Draw TTFT CDFs of the report set.")] = True,
 ) -> None:
-    """Every policy on chat, groups and agent workloads at three loads (the issue-5 figures)."""
-    run_suite(out_dir, console=_console(), quick=quick)
+    """Every policy on every workload at three loads, tuned on one set, reported on another."""
+    chosen = [s for s in sets.split(",") if s]
+    unknown = [s for s in chosen if s not in SETS]
+    if unknown or not chosen:
+        raise typer.BadParameter(f"sets are {', '.join(SETS)}; got {sets!r}", param_hint="--set")
+    names = [n for n in only.split(",") if n]
+    if bad := [n for n in names if n not in CASES]:
+        raise typer.BadParameter(
+            f"unknown workload {', '.join(bad)}; choose from {', '.join(CASES)}",
+            param_hint="--only",
+        )
+    try:
+        run_suite(
+            out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
+            plots=plots,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc

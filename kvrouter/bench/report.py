@@ -15,7 +15,7 @@ arrival to the last finish):
 * hit rate: prompt tokens served from a prefix cache over prompt tokens, overall
   and per medium the hit was found on (HBM, DRAM, SSD).
 * load imbalance: coefficient of variation (population standard deviation over
-  mean) of the workers' busy time.
+  mean) of the workers' busy time; busy share: their mean busy time over the makespan.
 * oracle: :mod:`kvrouter.bench.oracle`'s bound, and the hit rate as a ratio to it.
 
 Percentiles interpolate linearly between order statistics (numpy's default).
@@ -110,6 +110,7 @@ class PolicySummary(msgspec.Struct, kw_only=True):
     hit_rate_by_medium: dict[str, float]
     load_cv: float
     busy_s: dict[str, float]
+    busy_share: float = 0.0
     preemptions: int
     oracle_hit_rate: float | None = None
     hit_vs_oracle: float | None = None
@@ -169,6 +170,7 @@ def summarize(
         hit_rate_by_medium=by_medium,
         load_cv=cv,
         busy_s=dict(busy_s),
+        busy_share=float(busy.mean()) / makespan if busy.size and makespan > 0 else 0.0,
         preemptions=sum(r.preemptions for r in records),
         oracle_hit_rate=rate,
         hit_vs_oracle=(hit / rate if rate else None),
@@ -180,11 +182,12 @@ def _ms(seconds: float) -> str:
 
 
 def render_table(summaries: Sequence[PolicySummary], console: Console, title: str = "") -> None:
-    """Print one row per policy: latency (ms), throughput, hit rates, imbalance."""
+    """Print one row per policy: latency (ms), throughput, hit rates, busy share, preemptions."""
     table = Table(title=title or None, show_lines=False)
     for name in ("policy", "TTFT mean", "p50", "p90", "p99", "TPOT mean", "p90"):
         table.add_column(name, justify="left" if name == "policy" else "right")
-    for name in ("req/s", "out tok/s", "hit", "hbm", "dram", "ssd", "busy CV", "hit/oracle"):
+    right = ("req/s", "out tok/s", "hit", "hbm", "dram", "ssd", "busy", "busy CV", "hit/oracle")
+    for name in (*right, "preempt."):
         table.add_column(name, justify="right")
     for s in summaries:
         ratio = "-" if s.hit_vs_oracle is None else f"{s.hit_vs_oracle:.2f}"
@@ -200,8 +203,10 @@ def render_table(summaries: Sequence[PolicySummary], console: Console, title: st
             f"{s.output_tps:,.0f}",
             f"{s.hit_rate:.1%}",
             *(f"{s.hit_rate_by_medium[m.value]:.1%}" for m in MEDIA),
+            f"{s.busy_share:.1%}",
             f"{s.load_cv:.2f}",
             ratio,
+            str(s.preemptions),
         )
     console.print(table)
 

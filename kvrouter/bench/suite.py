@@ -1,238 +1,184 @@
-"""The policy comparison: every policy on one trace, and the issue-5 suite over three workloads.
+"""The policy suite: every policy, workload and load; tuned on one set, reported on another.
 
-:func:`compare_policies` replays one trace with each policy (a rich progress
-bar per run), prints the table, and writes the JSON report and the plots;
-``kvrouter bench sim`` is a thin shell over it.
+``kvrouter bench suite`` (or ``python -m kvrouter.bench.suite``) regenerates the
+figures of docs/benchmarks.md. Each *run* is a workload of :data:`CASES` and a
+seed; each *cell* a run at one load; every registered policy replays every
+cell in the simulator (a process pool spreads the replays over the cores).
 
-:func:`run_suite` (``kvrouter bench suite``, or ``python -m kvrouter.bench.suite``)
-regenerates the figures of docs/benchmarks.md: the chat, groups and agent
-workloads of :data:`CASES`, each on 8 workers whose HBM cannot hold the
-working set (DRAM and SSD tiers on), at three loads. Load is a fraction of the
-cluster's *capacity*, measured with the simulator itself: the trace is replayed
-with every arrival compressed into its first second under ``round_robin`` (a
-cache-oblivious router), and the capacity is the completed requests per second
-of makespan. A load ``L`` then replays the trace at
-``time_scale = L * capacity / (trace requests / trace duration)``.
+Two sets of runs, printed apart:
+
+* ``tune`` -- the traces a policy change may be judged on while it is made;
+* ``report`` -- other seeds of the same workloads, and two held-out
+  workloads (``longchat``, ``rag``) from the same families with other
+  parameters, never looked at while tuning. A change that only fits the
+  tuning traces shows as a gap between the two.
+
+Load is a fraction of the cluster's *capacity*, measured with the simulator
+itself: the trace is replayed with every arrival compressed into its first
+second under ``round_robin`` (a cache-oblivious router), and the capacity is
+the completed requests per second of makespan. A load ``L`` then replays the
+trace at ``time_scale = L * capacity / (trace requests / trace duration)``.
+Cache-aware policies serve more than round robin, so a load above 1 is where
+they saturate: the production-shaped cases go to 1.2, where the peers' workers
+are busy nearly all of the time (the tables print the measured busy share).
+
+For every cell the suite prints each policy's summary, then per set: ``kv_ttft``
+against the best peer *at each percentile* (the best peer may differ from one
+percentile to the next), its hit rate against the oracle, preemptions, and the
+prediction error of ``kv_ttft`` (predicted against simulated TTFT) by prompt
+length.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
+import math
+import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvrouter.bench.oracle import OracleBound
+from kvrouter.bench.compare import config_dict
 from kvrouter.bench.report import (
-    BenchReport,
     PolicySummary,
-    plot_hit_rates,
+    RequestRecord,
     plot_ttft_cdf,
     render_table,
     summarize,
-    write_json,
 )
-from kvrouter.bench.simulator import SimConfig, SimResult, simulate, trace_oracle
-from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord
+from kvrouter.bench.simulator import SimConfig, simulate, trace_oracle
+from kvrouter.bench.trace import TraceRecord
 from kvrouter.bench.workloads import (
     AgentWorkload,
     ChatWorkload,
+    ConversationWorkload,
     GroupsWorkload,
+    MixedWorkload,
     Workload,
     generate,
 )
 from kvrouter.policy_factory import build_policy
-from policies.base import Policy
 from policies.registry import DEFAULT_POLICY, policy_names
 
 __all__ = [
     "CASES",
+    "LENGTH_BINS",
     "LOADS",
-    "Comparison",
+    "SETS",
+    "CellResult",
     "SuiteCase",
-    "compare_policies",
-    "describe_trace",
     "measure_capacity",
-    "parse_policies",
+    "prediction_error",
     "run_suite",
 ]
 
+#: (label, fraction of measured capacity) of the generated workloads.
+LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load90", 0.9))
 
-def parse_policies(spec: str) -> list[str]:
-    """``"all"`` or comma-separated registered names, in the given order.
-
-    Raises:
-        ValueError: An unknown name (the message lists the valid ones) or an empty list.
-    """
-    if spec.strip() == "all":
-        return policy_names()
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    known = set(policy_names())
-    for name in names:
-        if name not in known:
-            raise ValueError(f"unknown policy {name!r}; valid: all, {', '.join(policy_names())}")
-    if not names:
-        raise ValueError("no policy given")
-    return names
-
-
-def describe_trace(records: Sequence[TraceRecord]) -> str:
-    """One line: requests, duration, rate, mean prompt and output, distinct prompt content."""
-    if not records:
-        return "no request"
-    span = (max(r.timestamp for r in records) - min(r.timestamp for r in records)) / 1e3
-    distinct = len({h for r in records for h in r.hash_ids}) * HASH_BLOCK_TOKENS
-    n = len(records)
-    return (
-        f"{n} requests over {span:,.1f} s ({n / span if span > 0 else 0:.2f}/s), "
-        f"mean prompt {sum(r.input_length for r in records) / n:,.0f} tokens, "
-        f"mean output {sum(r.output_length for r in records) / n:,.0f}, "
-        f"distinct prompt content ~{distinct:,} tokens"
-    )
-
-
-def _config_dict(config: SimConfig) -> dict[str, object]:
-    out: dict[str, object] = {
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "profile"
-    }
-    out["profile"] = config.profile.name
-    cap = config.capacity()
-    out["capacity_blocks"] = {"hbm": cap.hbm, "dram": cap.dram, "ssd": cap.ssd}
-    return out
-
-
-@dataclass(slots=True)
-class Comparison:
-    """Every policy's replay of one trace on one cluster."""
-
-    label: str
-    oracle: OracleBound
-    results: list[SimResult]
-    summaries: list[PolicySummary]
-
-    def summary(self, policy: str) -> PolicySummary:
-        """The named policy's summary (KeyError if it did not run)."""
-        for s in self.summaries:
-            if s.policy == policy:
-                return s
-        raise KeyError(policy)
-
-
-def compare_policies(
-    trace: Sequence[TraceRecord],
-    names: Sequence[str],
-    config: SimConfig,
-    *,
-    console: Console,
-    label: str = "trace",
-    json_path: Path | None = None,
-    plots: Path | None = None,
-    extra: Mapping[str, Callable[[], Policy]] | None = None,
-) -> Comparison:
-    """Replay ``trace`` with each named policy (seeded with ``config.seed``) and report.
-
-    Prints the table; writes ``json_path`` and ``<plots>/<label>_ttft_cdf.png`` and
-    ``<plots>/<label>_hit_rate.png`` when given. ``extra`` adds unregistered policies
-    (prototypes) by name, run after the named ones.
-    """
-    builders: list[tuple[str, Callable[[], Policy]]] = [
-        (name, functools.partial(build_policy, name, seed=config.seed)) for name in names
-    ]
-    builders += list((extra or {}).items())
-    oracle = trace_oracle(trace, config)
-    results: list[SimResult] = []
-    columns = (
-        TextColumn("{task.description:<20}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as progress:
-        for name, build in builders:
-            task = progress.add_task(name, total=len(trace))
-            policy = build()
-            advance = functools.partial(progress.advance, task)
-            results.append(simulate(trace, policy, config, progress=advance))
-    summaries = [summarize(r.policy, r.records, r.busy_s, oracle) for r in results]
-    render_table(
-        summaries,
-        console,
-        title=f"{label}: oracle hit rate {oracle.hit_rate:.1%} "
-        f"(infinite cache {oracle.unbounded_hit_rate:.1%}), ms for latencies",
-    )
-    if json_path is not None:
-        oracle_json = {
-            "capacity_blocks": float(oracle.capacity_blocks),
-            "hit_rate": oracle.hit_rate,
-            "unbounded_hit_rate": oracle.unbounded_hit_rate,
-        }
-        report = BenchReport(
-            trace=label, config=_config_dict(config), oracle=oracle_json, summaries=summaries
-        )
-        write_json(report, json_path)
-    if plots is not None:
-        plots.mkdir(parents=True, exist_ok=True)
-        ttfts = {
-            r.policy: [t for rec in r.records if (t := rec.ttft_s) is not None] for r in results
-        }
-        plot_ttft_cdf(ttfts, plots / f"{label}_ttft_cdf.png", title=f"{label}: TTFT")
-        plot_hit_rates(summaries, plots / f"{label}_hit_rate.png", oracle, title=f"{label}")
-    return Comparison(label, oracle, results, summaries)
+#: Loads of the production-shaped workloads: moderate, busy, and saturated.
+PRODUCTION_LOADS: tuple[tuple[str, float], ...] = (
+    ("load60", 0.6),
+    ("load90", 0.9),
+    ("saturated", 1.2),
+)
 
 
 @dataclass(frozen=True, slots=True)
 class SuiteCase:
-    """One workload of the suite and the cluster it runs on (tiers in blocks per worker)."""
+    """A workload and the cluster it runs on (tiers in blocks per worker; None: H100-sized)."""
 
     name: str
     workload: Workload
-    workers: int
-    hbm_blocks: int
-    dram_blocks: int
-    ssd_blocks: int
+    workers: int = 8
+    hbm_blocks: int | None = None
+    dram_blocks: int | None = None
+    ssd_blocks: int | None = None
+    loads: tuple[tuple[str, float], ...] = LOADS
+
+    def config(self, seed: int, time_scale: float = 1.0) -> SimConfig:
+        """The simulated cluster of this case."""
+        return SimConfig(
+            workers=self.workers,
+            hbm_blocks=self.hbm_blocks,
+            dram_blocks=self.dram_blocks,
+            ssd_blocks=self.ssd_blocks,
+            seed=seed,
+            time_scale=time_scale,
+        )
 
 
-#: Sized so that the distinct prompt content exceeds the cluster's HBM (it spills
-#: to DRAM and SSD) while one worker's HBM still holds its running batch, that
-#: sessions and agents outnumber the requests in flight (a turn comes after its
-#: previous answer), and that the whole suite runs in minutes on two cores.
-CASES: tuple[SuiteCase, ...] = (
-    SuiteCase(
-        "chat",
-        ChatWorkload(
-            sessions=300, turns=4, system_tokens=1024, user_tokens=256, answer_tokens=128,
-            think_time_s=30.0, session_rate=40.0,
+#: The generated workloads are sized so that the distinct prompt content exceeds the
+#: cluster's HBM (it spills to DRAM and SSD) while one worker's HBM still holds its
+#: running batch. The production-shaped ones run on 8 H100-sized workers (Llama-3-8B:
+#: 427K tokens of HBM each), where a few 100K-token prompts fill a worker.
+CASES: dict[str, SuiteCase] = {
+    c.name: c
+    for c in (
+        SuiteCase(
+            "chat",
+            ChatWorkload(
+                sessions=300, turns=4, system_tokens=1024, user_tokens=256, answer_tokens=128,
+                think_time_s=30.0, session_rate=40.0,
+            ),
+            workers=4, hbm_blocks=4096, dram_blocks=8192, ssd_blocks=16384,
         ),
-        workers=4, hbm_blocks=4096, dram_blocks=8192, ssd_blocks=16384,
-    ),
-    SuiteCase(
-        "groups",
-        GroupsWorkload(
-            groups=32, users=8, system_tokens=4096, question_tokens=256, output_tokens=128,
-            rate=10.0, requests=800,
+        SuiteCase(
+            "groups",
+            GroupsWorkload(
+                groups=32, users=8, system_tokens=4096, question_tokens=256, output_tokens=128,
+                rate=10.0, requests=800,
+            ),
+            workers=4, hbm_blocks=2560, dram_blocks=4096, ssd_blocks=8192,
         ),
-        workers=4, hbm_blocks=2560, dram_blocks=4096, ssd_blocks=8192,
-    ),
-    SuiteCase(
-        "agent",
-        AgentWorkload(
-            agents=24, steps=10, system_tokens=2048, context_min=8192, context_max=32768,
-            tool_tokens_min=100, tool_tokens_max=600, output_tokens=64, step_interval_s=20.0,
-            agent_rate=4.0,
+        SuiteCase(
+            "agent",
+            AgentWorkload(
+                agents=24, steps=10, system_tokens=2048, context_min=8192, context_max=32768,
+                tool_tokens_min=100, tool_tokens_max=600, output_tokens=64,
+                step_interval_s=20.0, agent_rate=4.0,
+            ),
+            workers=4, hbm_blocks=6144, dram_blocks=12288, ssd_blocks=24576,
         ),
-        workers=4, hbm_blocks=6144, dram_blocks=12288, ssd_blocks=24576,
-    ),
-)  # fmt: skip
+        SuiteCase("conversation", ConversationWorkload(), loads=PRODUCTION_LOADS),
+        SuiteCase("mixed", MixedWorkload(), loads=PRODUCTION_LOADS),
+        # Held out: the same families with other shapes, only ever in the report set.
+        SuiteCase(
+            "longchat",
+            ConversationWorkload(
+                sessions=500, turns_mean=3.5, arrival_shape=0.3, apps=4, documents=80,
+                document_share=0.2, paste_share=0.35, session_rate=0.5,
+            ),
+            loads=PRODUCTION_LOADS,
+        ),
+        SuiteCase(
+            "rag",
+            MixedWorkload(requests=2500, rate=3.0, arrival_shape=1.0, long_share=0.2,
+                          documents=300, apps=6),
+            loads=PRODUCTION_LOADS,
+        ),
+    )
+}  # fmt: skip
 
-#: (label, fraction of measured capacity).
-LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load90", 0.9))
+#: (case, seed) runs of each set.
+SETS: dict[str, tuple[tuple[str, int], ...]] = {
+    "tune": (("chat", 1), ("groups", 1), ("agent", 1), ("conversation", 1), ("mixed", 1)),
+    "report": (
+        ("chat", 2), ("groups", 2), ("agent", 2), ("conversation", 2), ("conversation", 3),
+        ("mixed", 2), ("mixed", 3), ("longchat", 2), ("rag", 2),
+    ),
+}  # fmt: skip
+
+#: Prompt-length bins (tokens) of the prediction-error table.
+LENGTH_BINS: tuple[int, ...] = (0, 2_048, 8_192, 32_768, 65_536, 131_072, 1 << 30)
 
 
 def measure_capacity(trace: Sequence[TraceRecord], config: SimConfig) -> float:
@@ -246,93 +192,339 @@ def measure_capacity(trace: Sequence[TraceRecord], config: SimConfig) -> float:
 
 def _quick(case: SuiteCase) -> SuiteCase:
     w = case.workload
+    small: Workload
     if isinstance(w, ChatWorkload):
-        small: Workload = dataclasses.replace(w, sessions=24, turns=3)
+        small = dataclasses.replace(w, sessions=24, turns=3)
     elif isinstance(w, GroupsWorkload):
         small = dataclasses.replace(w, groups=8, requests=60)
-    else:
+    elif isinstance(w, AgentWorkload):
         small = dataclasses.replace(w, agents=6, steps=4)
+    elif isinstance(w, ConversationWorkload):
+        small = dataclasses.replace(w, sessions=40)
+    else:
+        small = dataclasses.replace(w, requests=80)
     return dataclasses.replace(case, workload=small)
 
 
+def _case(name: str, quick: bool) -> SuiteCase:
+    case = CASES[name]
+    return _quick(case) if quick else case
+
+
+# -- replays (run in worker processes: module-level functions of picklable arguments) ------
+
+
+def _trace(name: str, seed: int, quick: bool) -> list[TraceRecord]:
+    return generate(_case(name, quick).workload, seed)
+
+
+def _capacity(name: str, seed: int, quick: bool) -> tuple[float, float]:
+    """(capacity, natural rate) of a run, in requests/s."""
+    trace = _trace(name, seed, quick)
+    span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
+    capacity = measure_capacity(trace, _case(name, quick).config(seed))
+    return capacity, len(trace) / max(span, 1e-9)
+
+
+_Replayed = tuple[list[RequestRecord], dict[str, float]]
+_Pending = tuple["_Run", str, float, float, dict[str, Future[_Replayed]], Future[float]]
+
+
+def _replay(name: str, seed: int, quick: bool, time_scale: float, policy: str) -> _Replayed:
+    trace = _trace(name, seed, quick)
+    config = _case(name, quick).config(seed, time_scale)
+    result = simulate(trace, build_policy(policy, seed=seed), config)
+    return result.records, result.busy_s
+
+
+def _oracle(name: str, seed: int, quick: bool, time_scale: float) -> float:
+    trace = _trace(name, seed, quick)
+    return trace_oracle(trace, _case(name, quick).config(seed, time_scale)).hit_rate
+
+
+# -- results ------------------------------------------------------------------------------
+
+
+class CellResult(msgspec.Struct, kw_only=True):
+    """Every policy on one run at one load.
+
+    Attributes:
+        set: ``tune`` or ``report``.
+        case: Workload name.
+        seed: Trace seed.
+        load_label: The load's name.
+        load: Fraction of the measured capacity.
+        capacity_rps: Measured capacity (round robin, saturated).
+        time_scale: Arrival-rate multiplier of the replay.
+        oracle_hit_rate: The oracle bound's hit rate.
+        summaries: Per policy, its figures.
+        prediction: ``kv_ttft``'s (prompt tokens, predicted, simulated TTFT) per request.
+    """
+
+    set: str
+    case: str
+    seed: int
+    load_label: str
+    load: float
+    capacity_rps: float
+    time_scale: float
+    oracle_hit_rate: float
+    summaries: list[PolicySummary]
+    prediction: list[tuple[int, float, float]] = msgspec.field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``<case>_s<seed>_<load>``: the cell's name in tables and plot files."""
+        return f"{self.case}_s{self.seed}_{self.load_label}"
+
+    def summary(self, policy: str) -> PolicySummary:
+        """The named policy's summary (KeyError if it did not run)."""
+        for s in self.summaries:
+            if s.policy == policy:
+                return s
+        raise KeyError(policy)
+
+
+#: The percentiles compared against the best peer, with their summary fields.
+PERCENTILES: tuple[tuple[str, str], ...] = (
+    ("p50", "ttft_p50_s"),
+    ("p90", "ttft_p90_s"),
+    ("p99", "ttft_p99_s"),
+    ("mean", "ttft_mean_s"),
+)
+
+
 def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("inf")
+    return a / b if b > 0 else math.inf
+
+
+def versus_best_peer(cell: CellResult, ours: str = DEFAULT_POLICY) -> dict[str, object]:
+    """``ours`` against the best peer at each percentile of one cell (a JSON-ready row)."""
+    mine = cell.summary(ours)
+    peers = [s for s in cell.summaries if s.policy != ours]
+    row: dict[str, object] = {
+        "set": cell.set,
+        "cell": cell.label,
+        "load": cell.load,
+        "busy_peers": max((s.busy_share for s in peers), default=0.0),
+        "hit_vs_oracle": mine.hit_vs_oracle,
+        "preemptions": mine.preemptions,
+        "preemptions_best_peer": min((s.preemptions for s in peers), default=0),
+    }
+    for name, attr in PERCENTILES:
+        best = min(peers, key=lambda s, a=attr: getattr(s, a))  # type: ignore[misc]
+        row[f"{name}_s"] = getattr(mine, attr)
+        row[f"{name}_best_peer"] = best.policy
+        row[f"{name}_vs_best_peer"] = _ratio(getattr(mine, attr), getattr(best, attr))
+    return row
+
+
+def prediction_error(
+    samples: Sequence[tuple[int, float, float]], bins: Sequence[int] = LENGTH_BINS
+) -> list[dict[str, float]]:
+    """Simulated against predicted TTFT by prompt length: one row per non-empty bin.
+
+    Each row: ``lo`` / ``hi`` tokens, ``n``, the median and p90 of simulated /
+    predicted, and the median and p90 of the absolute error in seconds.
+    """
+    rows = []
+    for lo, hi in itertools.pairwise(bins):
+        inside = [(p, a) for n, p, a in samples if lo <= n < hi and p > 0]
+        if not inside:
+            continue
+        ratio = np.array([a / p for p, a in inside])
+        error = np.abs(np.array([a - p for p, a in inside]))
+        rows.append(
+            {
+                "lo": float(lo),
+                "hi": float(hi),
+                "n": float(len(inside)),
+                "ratio_p50": float(np.percentile(ratio, 50)),
+                "ratio_p90": float(np.percentile(ratio, 90)),
+                "abs_error_p50_s": float(np.percentile(error, 50)),
+                "abs_error_p90_s": float(np.percentile(error, 90)),
+            }
+        )
+    return rows
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Run:
+    set: str
+    case: str
+    seed: int
+    capacity: Future[tuple[float, float]]
 
 
 def run_suite(
-    out_dir: Path, *, console: Console, quick: bool = False, seed: int = 1
-) -> list[dict[str, object]]:
-    """Run every case at every load; write plots, ``suite.json`` and print the ratio table.
+    out_dir: Path,
+    *,
+    console: Console,
+    quick: bool = False,
+    sets: Sequence[str] = ("tune", "report"),
+    only: Sequence[str] = (),
+    jobs: int | None = None,
+    plots: bool = True,
+) -> list[CellResult]:
+    """Replay every selected run with every policy at its loads; print and write the results.
+
+    Args:
+        out_dir: Where ``suite.json`` and the TTFT plots go.
+        console: Where the tables go.
+        quick: Tiny traces (a smoke run).
+        sets: Which sets to run (``tune``, ``report``).
+        only: Restrict to these workload names (all when empty).
+        jobs: Replays run in parallel (default: the machine's cores).
+        plots: Draw a TTFT CDF per cell of the report set's first seed of each workload.
+
+    Raises:
+        ValueError: Nothing selected (an unknown set or workload name).
 
     Returns:
-        One row per (case, load): capacity, time scale, kv_ttft's TTFT p90 against the
-        best peer and round robin, and its hit rate against the oracle.
+        One result per cell, in set, run and load order.
     """
+    started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = policy_names()
-    rows: list[dict[str, object]] = []
-    reports: dict[str, object] = {}
-    started = time.perf_counter()
-    for case in map(_quick, CASES) if quick else CASES:
-        trace = generate(case.workload, seed)
-        config = SimConfig(
-            workers=case.workers,
-            hbm_blocks=case.hbm_blocks,
-            dram_blocks=case.dram_blocks,
-            ssd_blocks=case.ssd_blocks,
-            seed=seed,
-        )
-        console.rule(f"{case.name}: {describe_trace(trace)}")
-        capacity = measure_capacity(trace, config)
-        span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
-        natural = len(trace) / span
-        console.print(f"capacity (round_robin, saturated): {capacity:.2f} req/s")
-        for label, load in LOADS:
-            cfg = dataclasses.replace(config, time_scale=load * capacity / natural)
-            name = f"{case.name}_{label}"
-            cmp = compare_policies(trace, names, cfg, console=console, label=name, plots=out_dir)
-            ours = cmp.summary(DEFAULT_POLICY)
-            peers = [s for s in cmp.summaries if s.policy in names and s.policy != DEFAULT_POLICY]
-            best = min(peers, key=lambda s: s.ttft_p90_s)
-            rr = cmp.summary("round_robin")
-            rows.append(
-                {
-                    "workload": case.name,
-                    "load": load,
-                    "capacity_rps": capacity,
-                    "time_scale": cfg.time_scale,
-                    "kv_ttft_p90_s": ours.ttft_p90_s,
-                    "best_peer": best.policy,
-                    "best_peer_p90_s": best.ttft_p90_s,
-                    "p90_vs_best_peer": _ratio(ours.ttft_p90_s, best.ttft_p90_s),
-                    "p90_vs_round_robin": _ratio(ours.ttft_p90_s, rr.ttft_p90_s),
-                    "hit_rate": ours.hit_rate,
-                    "oracle_hit_rate": cmp.oracle.hit_rate,
-                    "hit_vs_oracle": ours.hit_vs_oracle,
+    selected = [(s, case, seed) for s in sets for case, seed in SETS[s] if not only or case in only]
+    if not selected:
+        raise ValueError("no run selected")
+    workers = jobs or os.cpu_count() or 1
+    cells: list[CellResult] = []
+    columns = (
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with ProcessPoolExecutor(workers) as pool, Progress(*columns, console=console) as progress:
+        runs = [_Run(s, c, seed, pool.submit(_capacity, c, seed, quick)) for s, c, seed in selected]
+        pending: list[_Pending] = []
+        for run in runs:
+            capacity, natural = run.capacity.result()
+            for label, load in _case(run.case, quick).loads:
+                scale = load * capacity / natural
+                replays: dict[str, Future[_Replayed]] = {
+                    p: pool.submit(_replay, run.case, run.seed, quick, scale, p) for p in names
                 }
-            )
-            reports[name] = {
-                "config": _config_dict(cfg),
-                "oracle_hit_rate": cmp.oracle.hit_rate,
-                "summaries": cmp.summaries,
-            }
-    table = Table(title=f"kv_ttft against its peers ({time.perf_counter() - started:,.0f} s)")
-    columns = ("workload", "load", "p90 / best peer", "best peer", "p90 / RR", "hit / oracle")
-    for col in columns:
-        table.add_column(col)
+                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale)
+                pending.append((run, label, load, scale, replays, oracle))
+        task = progress.add_task("replays", total=sum(len(p[4]) for p in pending))
+        plotted = _plotted()
+        for run, label, load, scale, replays, oracle in pending:
+            hit = oracle.result()
+            summaries: list[PolicySummary] = []
+            prediction: list[tuple[int, float, float]] = []
+            ttfts: dict[str, list[float]] = {}
+            for policy, future in replays.items():
+                records, busy_s = future.result()
+                s = summarize(policy, records, busy_s)
+                ratio = s.hit_rate / hit if hit > 0 else None
+                s = msgspec.structs.replace(s, oracle_hit_rate=hit, hit_vs_oracle=ratio)
+                summaries.append(s)
+                if policy == DEFAULT_POLICY:
+                    prediction = [
+                        (r.prompt_tokens, r.predicted_ttft_s, r.ttft_s)
+                        for r in records
+                        if r.predicted_ttft_s is not None and r.ttft_s is not None
+                    ]
+                if plots and plotted.get(run.case) == run.seed and run.set == "report":
+                    ttfts[policy] = [t for r in records if (t := r.ttft_s) is not None]
+                progress.advance(task)
+            capacity, _ = run.capacity.result()
+            cell = CellResult(
+                set=run.set, case=run.case, seed=run.seed, load_label=label, load=load,
+                capacity_rps=capacity, time_scale=scale, oracle_hit_rate=hit,
+                summaries=summaries, prediction=prediction,
+            )  # fmt: skip
+            cells.append(cell)
+            if ttfts:
+                path = out_dir / f"{cell.label}_ttft_cdf.png"
+                plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
+    _print(cells, console, time.perf_counter() - started)
+    _write(cells, out_dir / "suite.json")
+    return cells
+
+
+def _print(cells: Sequence[CellResult], console: Console, seconds: float) -> None:
+    for cell in cells:
+        title = (
+            f"{cell.set} set, {cell.label}: {cell.load:.0%} of {cell.capacity_rps:.2f} req/s, "
+            f"oracle hit {cell.oracle_hit_rate:.1%}, ms for latencies"
+        )
+        render_table(cell.summaries, console, title=title)
+    for name in dict.fromkeys(c.set for c in cells):
+        rows = [versus_best_peer(c) for c in cells if c.set == name]
+        _print_ratios(name, rows, console)
+        samples = [s for c in cells if c.set == name for s in c.prediction]
+        _print_prediction(name, prediction_error(samples), console)
+    console.print(f"suite: {len(cells)} cells in {seconds:,.0f} s")
+
+
+def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console) -> None:
+    table = Table(title=f"{name} set: {DEFAULT_POLICY} / best peer at each percentile")
+    for col in ("cell", "peers busy", "p50", "p90", "p99", "mean", "hit/oracle", "preempt."):
+        table.add_column(col, justify="left" if col == "cell" else "right")
+    worse = 0
     for row in rows:
+        ratios = [float(row[f"{p}_vs_best_peer"]) for p, _ in PERCENTILES]  # type: ignore[arg-type]
+        worse += any(r > 1.0 for r in ratios[:3])
         table.add_row(
-            str(row["workload"]),
-            f"{row['load']:.0%}",
-            f"{row['p90_vs_best_peer']:.2f}",
-            str(row["best_peer"]),
-            f"{row['p90_vs_round_robin']:.2f}",
+            str(row["cell"]),
+            f"{row['busy_peers']:.1%}",
+            *(
+                f"{r:.2f} {row[f'{p}_best_peer']}"[:24]
+                for r, (p, _) in zip(ratios, PERCENTILES, strict=True)
+            ),
             f"{row['hit_vs_oracle']:.3f}",
+            f"{row['preemptions']} / {row['preemptions_best_peer']}",
         )
     console.print(table)
-    data = {"rows": rows, "runs": reports}
-    (out_dir / "suite.json").write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2))
-    return rows
+    console.print(f"{name} set: cells where {DEFAULT_POLICY} is behind a peer at p50, p90 or p99: "
+                  f"{worse} of {len(rows)}")  # fmt: skip
+
+
+def _print_prediction(name: str, rows: Sequence[dict[str, float]], console: Console) -> None:
+    table = Table(
+        title=f"{name} set: {DEFAULT_POLICY}: simulated / predicted TTFT by prompt length"
+    )
+    for col in ("prompt tokens", "requests", "ratio p50", "ratio p90", "|err| p50", "|err| p90"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        hi = "" if r["hi"] >= 1 << 30 else f"{r['hi']:,.0f}"
+        table.add_row(
+            f"{r['lo']:,.0f}-{hi}",
+            f"{r['n']:,.0f}",
+            f"{r['ratio_p50']:.2f}",
+            f"{r['ratio_p90']:.2f}",
+            f"{r['abs_error_p50_s'] * 1e3:,.0f} ms",
+            f"{r['abs_error_p90_s'] * 1e3:,.0f} ms",
+        )
+    console.print(table)
+
+
+def _plotted() -> dict[str, int]:
+    """Per workload, the seed whose cells get a TTFT CDF plot: its first in the report set."""
+    first: dict[str, int] = {}
+    for case, seed in SETS["report"]:
+        first.setdefault(case, seed)
+    return first
+
+
+def _write(cells: Sequence[CellResult], path: Path) -> None:
+    data = {
+        "rows": [versus_best_peer(c) for c in cells],
+        "prediction_error": {
+            name: prediction_error([s for c in cells if c.set == name for s in c.prediction])
+            for name in dict.fromkeys(c.set for c in cells)
+        },
+        "cells": [msgspec.structs.replace(c, prediction=[]) for c in cells],
+        "config": {name: config_dict(case.config(0)) for name, case in CASES.items()},
+    }
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2))
 
 
 if __name__ == "__main__":  # pragma: no cover

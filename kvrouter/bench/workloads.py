@@ -16,18 +16,11 @@ Three shapes that stress KV-cache-aware routing differently:
   prompt plus an 8-32K task context) that grow by a short answer and a few
   hundred tokens of tool output per step, for many steps.
 
-Hash ids and sub-512 content. A conversation is an append-only token stream
-cut into 512-token blocks, and block ``i`` of a stream always carries the same
-hash id, allocated when the stream first reaches it. A prompt that ends
-mid-block lists that block's id too: the replay truncates it at
-``input_length``, so the prompt holds exactly the first tokens the block will
-hold once the stream grows, and the next turn's prompt starts with every
-token of this one, as real chat text does (a B-token prefix cache then reuses
-every full B-token block of it). Content shared *between* streams (a system
-prompt) shares ids only for its whole 512-token blocks: the block where the
-shared text ends and a stream's own text begins gets that stream's own id, so
-up to 511 shared tokens are not shared. Pick shared lengths that are multiples
-of 512 to share them exactly.
+Hash ids follow :mod:`kvrouter.bench.streams`: a conversation is an
+append-only stream of 512-token blocks, and shared content (a system prompt)
+shares only its whole blocks, so pick shared lengths that are multiples of
+512 to share them exactly. :mod:`kvrouter.bench.production` adds two families
+shaped like production traces (heavy-tailed lengths, bursts).
 
 Lengths drawn "around a mean" are uniform integers in ``[mean/2, 3*mean/2]``
 (at least 1), think times and agent step intervals uniform in the same range:
@@ -42,30 +35,29 @@ finished, as in Mooncake's traces. The generator draws from
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord
+from kvrouter.bench.production import (
+    ConversationWorkload,
+    MixedWorkload,
+    generate_conversation,
+    generate_mixed,
+)
+from kvrouter.bench.streams import TokenStream, WorkloadError, check_positive, shared_stream
+from kvrouter.bench.trace import TraceRecord
 
 __all__ = [
     "AgentWorkload",
     "ChatWorkload",
+    "ConversationWorkload",
     "GroupsWorkload",
+    "MixedWorkload",
+    "Workload",
     "WorkloadError",
     "generate",
 ]
-
-
-class WorkloadError(ValueError):
-    """A workload parameter is out of range."""
-
-
-def _positive(**values: float) -> None:
-    for name, value in values.items():
-        if not (math.isfinite(value) and value > 0):
-            raise WorkloadError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +83,7 @@ class ChatWorkload:
     session_rate: float = 2.0
 
     def __post_init__(self) -> None:
-        _positive(
+        check_positive(
             sessions=self.sessions,
             turns=self.turns,
             user_tokens=self.user_tokens,
@@ -126,7 +118,7 @@ class GroupsWorkload:
     requests: int = 2000
 
     def __post_init__(self) -> None:
-        _positive(
+        check_positive(
             groups=self.groups,
             users=self.users,
             system_tokens=self.system_tokens,
@@ -166,7 +158,7 @@ class AgentWorkload:
     agent_rate: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive(
+        check_positive(
             agents=self.agents,
             steps=self.steps,
             context_min=self.context_min,
@@ -181,31 +173,7 @@ class AgentWorkload:
             raise WorkloadError("tool_tokens_max must be >= tool_tokens_min")
 
 
-Workload = ChatWorkload | GroupsWorkload | AgentWorkload
-
-
-@dataclass(slots=True)
-class _Stream:
-    """An append-only token stream and the hash ids of its 512-token blocks."""
-
-    alloc: Callable[[], int]
-    ids: list[int] = field(default_factory=list)
-    length: int = 0
-
-    def fork(self) -> _Stream:
-        """A new stream starting with this one's whole blocks (its partial block is not shared)."""
-        whole = self.length // HASH_BLOCK_TOKENS
-        return _Stream(self.alloc, self.ids[:whole], whole * HASH_BLOCK_TOKENS)
-
-    def append(self, tokens: int) -> None:
-        """Grow by ``tokens``, giving every block it newly reaches a fresh id."""
-        self.length += tokens
-        while len(self.ids) * HASH_BLOCK_TOKENS < self.length:
-            self.ids.append(self.alloc())
-
-    def record(self, at_s: float, output: int) -> TraceRecord:
-        """A request whose prompt is the stream so far."""
-        return TraceRecord(round(at_s * 1000.0, 3), self.length, output, list(self.ids))
+Workload = ChatWorkload | GroupsWorkload | AgentWorkload | ConversationWorkload | MixedWorkload
 
 
 def _around(rng: random.Random, mean: int) -> int:
@@ -216,14 +184,8 @@ def _gap(rng: random.Random, mean: float) -> float:
     return rng.uniform(mean / 2, 1.5 * mean)
 
 
-def _shared(alloc: Callable[[], int], tokens: int) -> _Stream:
-    stream = _Stream(alloc)
-    stream.append(tokens)
-    return stream
-
-
 def _chat(w: ChatWorkload, rng: random.Random, alloc: Callable[[], int]) -> list[TraceRecord]:
-    system = _shared(alloc, w.system_tokens)
+    system = shared_stream(alloc, w.system_tokens)
     out: list[TraceRecord] = []
     start = 0.0
     for _ in range(w.sessions):
@@ -241,9 +203,9 @@ def _chat(w: ChatWorkload, rng: random.Random, alloc: Callable[[], int]) -> list
 
 
 def _groups(w: GroupsWorkload, rng: random.Random, alloc: Callable[[], int]) -> list[TraceRecord]:
-    prompts: list[list[_Stream]] = []
+    prompts: list[list[TokenStream]] = []
     for _ in range(w.groups):
-        system = _shared(alloc, w.system_tokens)
+        system = shared_stream(alloc, w.system_tokens)
         users = []
         for _ in range(w.users):
             stream = system.fork()
@@ -260,7 +222,7 @@ def _groups(w: GroupsWorkload, rng: random.Random, alloc: Callable[[], int]) -> 
 
 
 def _agents(w: AgentWorkload, rng: random.Random, alloc: Callable[[], int]) -> list[TraceRecord]:
-    system = _shared(alloc, w.system_tokens)
+    system = shared_stream(alloc, w.system_tokens)
     out: list[TraceRecord] = []
     start = 0.0
     for _ in range(w.agents):
@@ -292,6 +254,10 @@ def generate(workload: Workload, seed: int = 0) -> list[TraceRecord]:
         records = _groups(workload, rng, alloc)
     elif isinstance(workload, AgentWorkload):
         records = _agents(workload, rng, alloc)
+    elif isinstance(workload, ConversationWorkload):
+        records = generate_conversation(workload, rng, alloc)
+    elif isinstance(workload, MixedWorkload):
+        records = generate_mixed(workload, rng, alloc)
     else:
         raise WorkloadError(f"unknown workload {type(workload).__name__}")
     return sorted(records, key=lambda r: r.timestamp)

@@ -87,6 +87,14 @@ def test_load_imbalance_is_the_coefficient_of_variation_of_busy_time() -> None:
     assert summarize("p", records(), busy).load_cv == pytest.approx(cv)
 
 
+def test_busy_share_is_the_mean_busy_time_over_the_makespan() -> None:
+    recs = records()
+    makespan = max(r.finish_s or 0.0 for r in recs) - recs[0].arrival_s
+    summary = summarize("p", recs, {"a": makespan, "b": makespan / 2})
+    assert summary.busy_share == pytest.approx(0.75)
+    assert summarize("p", [], {}).busy_share == 0.0
+
+
 def test_unfinished_requests_count_as_not_completed() -> None:
     recs = records()
     recs[3].finish_s = None

@@ -1,0 +1,157 @@
+"""Every policy replayed on one trace: the comparison ``kvrouter bench sim`` prints.
+
+:func:`compare_policies` replays one trace with each policy (a rich progress
+bar per run), prints the table, and writes the JSON report and the plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvrouter.bench.oracle import OracleBound
+from kvrouter.bench.report import (
+    BenchReport,
+    PolicySummary,
+    plot_hit_rates,
+    plot_ttft_cdf,
+    render_table,
+    summarize,
+    write_json,
+)
+from kvrouter.bench.simulator import SimConfig, SimResult, simulate, trace_oracle
+from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord
+from kvrouter.policy_factory import build_policy
+from policies.base import Policy
+from policies.registry import policy_names
+
+__all__ = ["Comparison", "compare_policies", "config_dict", "describe_trace", "parse_policies"]
+
+
+def parse_policies(spec: str) -> list[str]:
+    """``"all"`` or comma-separated registered names, in the given order.
+
+    Raises:
+        ValueError: An unknown name (the message lists the valid ones) or an empty list.
+    """
+    if spec.strip() == "all":
+        return policy_names()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = set(policy_names())
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown policy {name!r}; valid: all, {', '.join(policy_names())}")
+    if not names:
+        raise ValueError("no policy given")
+    return names
+
+
+def describe_trace(records: Sequence[TraceRecord]) -> str:
+    """One line: requests, duration, rate, mean prompt and output, distinct prompt content."""
+    if not records:
+        return "no request"
+    span = (max(r.timestamp for r in records) - min(r.timestamp for r in records)) / 1e3
+    distinct = len({h for r in records for h in r.hash_ids}) * HASH_BLOCK_TOKENS
+    n = len(records)
+    return (
+        f"{n} requests over {span:,.1f} s ({n / span if span > 0 else 0:.2f}/s), "
+        f"mean prompt {sum(r.input_length for r in records) / n:,.0f} tokens, "
+        f"mean output {sum(r.output_length for r in records) / n:,.0f}, "
+        f"distinct prompt content ~{distinct:,} tokens"
+    )
+
+
+def config_dict(config: SimConfig) -> dict[str, object]:
+    """The cluster's settings as JSON-ready values (the profile by name, tiers in blocks)."""
+    out: dict[str, object] = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "profile"
+    }
+    out["profile"] = config.profile.name
+    cap = config.capacity()
+    out["capacity_blocks"] = {"hbm": cap.hbm, "dram": cap.dram, "ssd": cap.ssd}
+    return out
+
+
+@dataclass(slots=True)
+class Comparison:
+    """Every policy's replay of one trace on one cluster."""
+
+    label: str
+    oracle: OracleBound
+    results: list[SimResult]
+    summaries: list[PolicySummary]
+
+    def summary(self, policy: str) -> PolicySummary:
+        """The named policy's summary (KeyError if it did not run)."""
+        for s in self.summaries:
+            if s.policy == policy:
+                return s
+        raise KeyError(policy)
+
+
+def compare_policies(
+    trace: Sequence[TraceRecord],
+    names: Sequence[str],
+    config: SimConfig,
+    *,
+    console: Console,
+    label: str = "trace",
+    json_path: Path | None = None,
+    plots: Path | None = None,
+    extra: Mapping[str, Callable[[], Policy]] | None = None,
+) -> Comparison:
+    """Replay ``trace`` with each named policy (seeded with ``config.seed``) and report.
+
+    Prints the table; writes ``json_path`` and ``<plots>/<label>_ttft_cdf.png`` and
+    ``<plots>/<label>_hit_rate.png`` when given. ``extra`` adds unregistered policies
+    (prototypes) by name, run after the named ones.
+    """
+    builders: list[tuple[str, Callable[[], Policy]]] = [
+        (name, functools.partial(build_policy, name, seed=config.seed)) for name in names
+    ]
+    builders += list((extra or {}).items())
+    oracle = trace_oracle(trace, config)
+    results: list[SimResult] = []
+    columns = (
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        for name, build in builders:
+            task = progress.add_task(name, total=len(trace))
+            policy = build()
+            advance = functools.partial(progress.advance, task)
+            results.append(simulate(trace, policy, config, progress=advance))
+    summaries = [summarize(r.policy, r.records, r.busy_s, oracle) for r in results]
+    render_table(
+        summaries,
+        console,
+        title=f"{label}: oracle hit rate {oracle.hit_rate:.1%} "
+        f"(infinite cache {oracle.unbounded_hit_rate:.1%}), ms for latencies",
+    )
+    if json_path is not None:
+        oracle_json = {
+            "capacity_blocks": float(oracle.capacity_blocks),
+            "hit_rate": oracle.hit_rate,
+            "unbounded_hit_rate": oracle.unbounded_hit_rate,
+        }
+        report = BenchReport(
+            trace=label, config=config_dict(config), oracle=oracle_json, summaries=summaries
+        )
+        write_json(report, json_path)
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        ttfts = {
+            r.policy: [t for rec in r.records if (t := rec.ttft_s) is not None] for r in results
+        }
+        plot_ttft_cdf(ttfts, plots / f"{label}_ttft_cdf.png", title=f"{label}: TTFT")
+        plot_hit_rates(summaries, plots / f"{label}_hit_rate.png", oracle, title=f"{label}")
+    return Comparison(label, oracle, results, summaries)

@@ -1,0 +1,74 @@
+"""The policy suite: tune and report sets, loads, per-percentile comparison, prediction error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kvrouter.bench.suite import CASES, SETS, prediction_error, run_suite, versus_best_peer
+from kvrouter.cli import app
+from policies.registry import DEFAULT_POLICY, policy_names
+
+
+def test_the_report_set_holds_other_seeds_and_workloads_never_tuned_on() -> None:
+    tune, report = set(SETS["tune"]), set(SETS["report"])
+    assert not tune & report
+    tuned_cases = {case for case, _ in tune}
+    held_out = {case for case, _ in report} - tuned_cases
+    assert held_out >= {"longchat", "rag"}
+    # Every production-shaped workload runs at three loads, one past the capacity.
+    for case in ("conversation", "mixed", "longchat", "rag"):
+        loads = [load for _, load in CASES[case].loads]
+        assert len(loads) == 3
+        assert loads == sorted(loads)
+        assert loads[-1] > 1.0
+
+
+def test_prediction_error_bins_by_prompt_length() -> None:
+    samples = [(1_000, 0.1, 0.1), (1_500, 0.1, 0.3), (40_000, 2.0, 1.0), (200_000, 1.0, 1.0)]
+    rows = prediction_error(samples, bins=(0, 2_048, 65_536, 1 << 30))
+    assert [(r["lo"], r["n"]) for r in rows] == [(0.0, 2.0), (2_048.0, 1.0), (65_536.0, 1.0)]
+    assert rows[0]["ratio_p50"] == pytest.approx(2.0)
+    assert rows[1]["ratio_p50"] == pytest.approx(0.5)
+    assert rows[1]["abs_error_p50_s"] == pytest.approx(1.0)
+
+
+def test_a_quick_suite_compares_every_policy_at_each_load(tmp_path: Path) -> None:
+    console = Console(width=200, record=True)
+    cells = run_suite(
+        tmp_path, console=console, quick=True, sets=["tune"], only=["conversation"], jobs=2,
+        plots=False,
+    )  # fmt: skip
+    assert [c.load_label for c in cells] == [label for label, _ in CASES["conversation"].loads]
+    assert all({s.policy for s in c.summaries} == set(policy_names()) for c in cells)
+    # Higher load, busier workers (round robin does the same work at every load).
+    busy = [c.summary("round_robin").busy_share for c in cells]
+    assert busy == sorted(busy)
+    assert all(c.prediction for c in cells)
+    for cell in cells:
+        row = versus_best_peer(cell)
+        mine = cell.summary(DEFAULT_POLICY)
+        peers = [s for s in cell.summaries if s.policy != DEFAULT_POLICY]
+        best_p99 = min(peers, key=lambda s: s.ttft_p99_s)
+        assert row["p99_best_peer"] == best_p99.policy
+        assert row["p99_vs_best_peer"] == pytest.approx(mine.ttft_p99_s / best_p99.ttft_p99_s)
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert len(written["rows"]) == len(cells)
+    assert written["prediction_error"]["tune"]
+    text = console.export_text()
+    assert "tune set: kv_ttft / best peer at each percentile" in text
+    assert "preempt." in text
+
+
+def test_the_suite_command_refuses_unknown_sets_and_workloads(tmp_path: Path) -> None:
+    out = ["--out-dir", str(tmp_path)]
+    bad_set = CliRunner().invoke(app, ["bench", "suite", *out, "--set", "nope"])
+    assert bad_set.exit_code != 0
+    assert "sets are tune, report" in bad_set.output
+    bad_case = CliRunner().invoke(app, ["bench", "suite", *out, "--only", "chat,nope"])
+    assert bad_case.exit_code != 0
+    assert "unknown workload nope" in bad_case.output
