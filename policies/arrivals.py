@@ -30,7 +30,7 @@ class RouteRates:
         age = max(now - self._last[host], 0.0)
         return value * math.exp(-age / self.tau_s)
 
-    def record(self, host: str, now: float) -> None:
-        """Count one request routed to ``host`` at ``now``."""
-        self._value[host] = self.rate(host, now) + 1.0 / self.tau_s
+    def record(self, host: str, now: float, weight: float = 1.0) -> None:
+        """Count one request (or ``weight`` of one) routed to ``host`` at ``now``."""
+        self._value[host] = self.rate(host, now) + weight / self.tau_s
         self._last[host] = max(now, self._last.get(host, now))

@@ -16,12 +16,16 @@ decode batch look as fast as an idle one.
 
 from __future__ import annotations
 
+import math
+
 from indexer.media import Medium
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, WorkerView
 
 __all__ = [
+    "decode_batch",
     "load_seconds",
+    "memory_wait_seconds",
     "prefill_seconds",
     "queue_seconds",
     "resolve_profile",
@@ -67,13 +71,32 @@ def _chunk(profile: TimingProfile, decode_batch: int) -> int:
     return max(profile.max_num_batched_tokens - decode_batch, 1)
 
 
+def decode_batch(view: WorkerView, mean_context: int) -> tuple[int, int]:
+    """(sequences, KV tokens) of the worker's running batch, what each of its steps reads.
+
+    The worker's published ``running_kv_tokens`` when it has any; otherwise (a view
+    that does not publish it) ``mean_context`` tokens per running request.
+    """
+    if view.running_kv_tokens > 0 or view.running == 0:
+        return view.running, view.running_kv_tokens
+    return view.running, view.running * mean_context
+
+
 def queue_seconds(
-    profile: TimingProfile, queued_tokens: int, decode_batch: int = 0, decode_kv_tokens: int = 0
+    profile: TimingProfile,
+    queued_tokens: int,
+    decode_batch: int = 0,
+    decode_kv_tokens: int = 0,
+    queued_context: int = 0,
 ) -> float:
     """Time to drain ``queued_tokens`` of prefill ahead of a new request.
 
-    The queued tokens belong to many requests whose cached context is unknown,
-    so each chunk is costed as fresh tokens (no ``p3`` term).
+    The queue is costed in full chunks of the step budget, each step also paying the
+    decode batch. ``queued_context`` (the view's ``queued_prefill_context``: over the
+    queued requests, ``new * (cached + new / 2)``) adds the attention the queued tokens
+    pay to the context before their own chunk, the term that makes a queued 100K-token
+    prompt cost several times its linear part; without it (0) every chunk is costed as
+    fresh tokens.
     """
     if queued_tokens <= 0:
         return 0.0
@@ -82,7 +105,50 @@ def queue_seconds(
     total = full * profile.step_seconds([(chunk, 0)], decode_batch, decode_kv_tokens)
     if rest:
         total += profile.step_seconds([(rest, 0)], decode_batch, decode_kv_tokens)
+    # new * (cached + new/2) summed over chunks is sum(n*c) + sum(n^2)/2: the chunks'
+    # own n^2 share is already in step_seconds, the rest is the cross-chunk attention.
+    within = (full * chunk * chunk + rest * rest) / 2
+    if queued_context > within:
+        total += profile.prefill[3] * (queued_context - within)
     return total
+
+
+def memory_wait_seconds(
+    view: WorkerView,
+    profile: TimingProfile,
+    new_tokens: int,
+    block_size: int,
+    mean_output_tokens: float,
+) -> float:
+    """Time a new request with ``new_tokens`` to prefill loses to the worker's full HBM.
+
+    vLLM-style schedulers admit a request once its first chunk fits and preempt the
+    newest running request (by recompute) when a later chunk or a decode step finds HBM
+    full. Demand is the blocks running requests hold (``kv_active_blocks``), the queued
+    prefill's blocks, the output still to come of every admitted or queued request (half
+    the mean output each) and the new request's own blocks. When that exceeds HBM the
+    new request, the newest, computes what fits, is preempted, waits until enough
+    running requests finish, and starts over: the wait is ``k`` completions, running
+    requests finishing one every ``mean output x decode step / running`` seconds and
+    freeing ``held / running`` blocks each, plus the wasted partial prefill. Returns 0.0
+    when the view does not publish its active blocks.
+    """
+    capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
+    active = view.kv_active_blocks
+    if capacity <= 0 or (active <= 0 and view.running > 0):
+        return 0.0
+    queued = -(-view.queued_prefill_tokens // block_size)
+    growth = (view.running + view.waiting) * mean_output_tokens / 2 / block_size
+    free = capacity - active - queued - growth
+    excess = -(-new_tokens // block_size) - free
+    if excess <= 0:
+        return 0.0
+    running = max(view.running, 1)
+    held = max(active, min(capacity, active + queued))
+    turnover = mean_output_tokens * profile.decode_seconds(running, view.running_kv_tokens)
+    completions = math.ceil(excess * running / held)
+    wasted = profile.prefill_seconds(min(new_tokens, max(int(free), 0) * block_size))
+    return completions * turnover / running + wasted
 
 
 def prefill_seconds(

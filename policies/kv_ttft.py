@@ -3,15 +3,22 @@ charged for the delay its work imposes on the requests behind it.
 
 Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
 
-    TTFT(w)  = wait(w) + load(w) + prefill(w)
-    score(w) = TTFT(w) + externality_weight * work(w) * rate(w) * TTFT(w) / (1 - rho)
+    TTFT(w)  = max(queue(w), memory(w)) + load(w) + prefill(w)
+    score(w) = TTFT(w) + externality_weight * delayed(w) * TTFT(w) / (1 - rho)
 
-* ``wait``: draining the prompt tokens already queued on ``w`` (the view's
+* ``queue``: draining the prompt tokens already queued on ``w`` (the view's
   ``queued_prefill_tokens``, which the gateway overlays with its own exact
   count of what it routed, plus, when ``speculative_load`` is on, what this
   policy routed that the view does not show yet), chunked at the step budget
-  while the running decode batch takes its share of every step
-  (``policies.cost_model``);
+  while the running decode batch (its published KV tokens) takes its share of
+  every step, plus the attention the queued tokens pay to the context before
+  their chunk (``queued_prefill_context``): a queued 100K-token prompt costs
+  several times its token count (``policies.cost_model``);
+* ``memory``: what the new prompt loses when it does not fit in ``w``'s HBM
+  beside what running and queued requests hold and will grow into
+  (``memory_wait_seconds``): a vLLM-style scheduler admits it, preempts it when
+  a later chunk finds HBM full, and starts it over once enough running
+  requests finished. The wait overlaps the queue, hence the ``max``;
 * ``load``: moving the matched blocks that sit on DRAM or SSD into HBM, at the
   worker's measured bandwidth per medium, else its profile's. vLLM's CPU
   offloading loads a request's blocks before computing it, so the load adds
@@ -23,14 +30,31 @@ TTFT alone is greedy: under load, a session's next turn would chase a
 slightly shorter queue and recompute its whole history elsewhere, which
 spends capacity everybody waits for (the bench suite showed turns moving
 away from their cache at 90% load and p90 TTFT ten times the best peer's).
-The externality term prices that: ``work(w)`` (load + compute of this
-request on ``w``) delays every request routed to ``w`` before this one's
-prefill ends, about ``rate(w) * TTFT(w)`` of them (``rate`` is what this
-policy routed to ``w`` recently, so an idle worker is charged nothing), and
-more while the worker stays busy: ``1 / (1 - rho)``, the busy-period
-stretch of an M/G/1 queue, with ``rho`` estimated as the share of arrivals
-that found prefill queued (Poisson arrivals see time averages). At light
-load the term vanishes and the policy is plain TTFT.
+The externality term prices that. The requests routed to ``w`` before this
+one's prefill ends, about ``rate(w) * TTFT(w)`` of them (``rate`` is what
+this policy routed to ``w`` recently, so an idle worker is charged nothing),
+are delayed by the compute this request adds there, and more while the worker
+stays busy: ``1 / (1 - rho)``, the busy-period stretch of an M/G/1 queue,
+with ``rho`` estimated as the share of arrivals that found prefill queued
+(Poisson arrivals see time averages). At light load the term vanishes and
+the policy is plain TTFT.
+
+What delays them is not the whole ``work(w)`` (load + compute of this request
+on ``w``): some worker has to do at least the least work any candidate would
+(``least``), and requests that could go elsewhere do, so they bear only the
+excess ``work(w) - least``. Requests that came to ``w`` for its cache (the
+``affine`` share of its rate, each weighted by the fraction of its prompt
+that only ``w`` held) cannot leave without recomputing; they bear the whole
+``work(w)``, but no more than moving would have cost them (``switching``,
+the compute per second those choices saved)::
+
+    delayed(w) = min(work(w) * affine(w), switching(w)) + (work(w) - least) * (rate(w) - affine(w))
+
+Charging the whole work to the whole rate, as this policy first did, made a
+long prompt cached nowhere look cheapest on the worker chosen least lately,
+the backlogged one, and kept long prompts away from workers whose traffic
+was free to move: on production-shaped traffic near capacity that was a p99
+ten times the best peer's (docs/benchmarks.md, "Production-shaped traffic").
 
 The minimum score wins; ties go to the fewest in-flight requests (including
 those routed here and not yet visible), then the host name, so decisions are
@@ -50,7 +74,9 @@ from indexer.views import PrefixMatch, WorkerView
 from policies.arrivals import RouteRates
 from policies.base import Decision, NoWorkerError, RouteRequest
 from policies.cost_model import (
+    decode_batch,
     load_seconds,
+    memory_wait_seconds,
     prefill_seconds,
     queue_seconds,
     resolve_profile,
@@ -68,7 +94,10 @@ class KvTtftPolicy:
         speculative_ttl_s: Lifetime of speculative entries (default 2 s: well above
             the event-to-index and heartbeat delays of a healthy cluster).
         catchup_s: A view taken this long after a routing already counts it.
-        mean_decode_context: KV tokens per running sequence assumed for the decode term.
+        mean_decode_context: KV tokens per running sequence assumed for the decode term
+            when a view does not publish its running batch's context.
+        mean_output_tokens: Output length assumed for how long requests hold KV memory
+            when neither the worker (its measured mean) nor the request says.
         default_profile: Profile for workers that publish none.
         speculative_load: Add what this policy routed to the views' queues until they
             show it. The gateway turns it off: its own accounting of routed requests is
@@ -80,6 +109,10 @@ class KvTtftPolicy:
             counts only prefill queueing, while extra work also slows the decode steps
             every running request shares.
         busy_period: Stretch the externality by ``1 / (1 - rho)``.
+        excess_work: Charge later requests only the work beyond the least any worker
+            would spend, the whole work only to those bound to the worker by its cache
+            (see the module docstring). False charges the whole work to every request
+            routed behind it, as the first version did (kept to compare the two).
     """
 
     name = "kv_ttft"
@@ -90,22 +123,30 @@ class KvTtftPolicy:
         speculative_ttl_s: float = 2.0,
         catchup_s: float = 0.05,
         mean_decode_context: int = 2048,
+        mean_output_tokens: int = 256,
         default_profile: TimingProfile | None = None,
         speculative_load: bool = True,
         externality_weight: float = 2.0,
         busy_period: bool = True,
+        excess_work: bool = True,
     ) -> None:
         if mean_decode_context < 0:
             raise ValueError(f"mean_decode_context must be >= 0, got {mean_decode_context}")
         self.speculation = Speculation(speculative_ttl_s, catchup_s)
         self.mean_decode_context = mean_decode_context
+        if mean_output_tokens < 0:
+            raise ValueError(f"mean_output_tokens must be >= 0, got {mean_output_tokens}")
+        self.mean_output_tokens = mean_output_tokens
         self.default_profile = default_profile
         self.speculative_load = speculative_load
         if externality_weight < 0:
             raise ValueError(f"externality_weight must be >= 0, got {externality_weight}")
         self.externality_weight = externality_weight
         self.routed = RouteRates()
+        self.affine = RouteRates()
+        self.switching = RouteRates()
         self.busy_period = busy_period
+        self.excess_work = excess_work
         self._busy = 0.0
 
     def choose(
@@ -144,36 +185,65 @@ class KvTtftPolicy:
             spec_tokens, spec_requests = (
                 self.speculation.pending(view, now) if self.speculative_load else (0, 0)
             )
-            batch = view.running
-            kv = batch * self.mean_decode_context
-            wait = queue_seconds(profile, view.queued_prefill_tokens + spec_tokens, batch, kv)
+            batch, kv = decode_batch(view, self.mean_decode_context)
+            queue = queue_seconds(
+                profile,
+                view.queued_prefill_tokens + spec_tokens,
+                batch,
+                kv,
+                view.queued_prefill_context,
+            )
+            output = view.mean_output_tokens or request.max_tokens or self.mean_output_tokens
+            memory = memory_wait_seconds(view, profile, new, request.block_size, output)
+            wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
             prefill = prefill_seconds(profile, new, cached, batch, kv)
             ttft = wait + load + prefill
-            # The compute this request adds delays everyone routed behind it on this worker:
-            # (the worker's routing rate x the time until this prefill ends) requests, stretched
-            # by the busy period. An idle worker delays nobody.
             work = load + profile.prefill_seconds(new, cached)
-            externality = work * self.routed.rate(view.host, now) * ttft * stretch
-            total = ttft + self.externality_weight * externality
             in_flight = view.in_flight + spec_requests
             scores[view.host] = {
                 "wait_s": wait,
+                "queue_s": queue,
+                "memory_wait_s": memory,
                 "load_s": load,
                 "prefill_s": prefill,
                 "cached_tokens": float(cached),
                 "speculative_tokens": float(spec_tokens),
                 "in_flight": float(in_flight),
                 "ttft_s": ttft,
-                "externality_s": externality,
-                "total": total,
+                "work_s": work,
             }
-            rank[view.host] = (total, in_flight, view.host)
             blocks[view.host] = (matched, new)
+        # The compute this request adds delays those routed behind it on this worker,
+        # (routing rate x the time until this prefill ends) requests stretched by the busy
+        # period: by the excess over the least work any worker would spend, or by the whole
+        # work (capped by what moving would cost them) for those bound here by the cache.
+        # An idle worker delays nobody.
+        least = min(s["work_s"] for s in scores.values())
+        for host, s in scores.items():
+            rate = self.routed.rate(host, now)
+            affine = min(self.affine.rate(host, now), rate)
+            work = s["work_s"]
+            if self.excess_work:
+                switching = self.switching.rate(host, now)
+                delayed = min(work * affine, switching) + (work - least) * (rate - affine)
+            else:
+                delayed = work * rate
+            s["externality_s"] = externality = delayed * s["ttft_s"] * stretch
+            s["total"] = total = s["ttft_s"] + self.externality_weight * externality
+            rank[host] = (total, int(s["in_flight"]), host)
         best = min(rank, key=rank.__getitem__)
         matched, new = blocks[best]
         self.speculation.record(best, keys, new, now)
         self.routed.record(best, now)
+        # How much this request is bound to its worker: the share of its prompt only that
+        # worker held, and the compute per second the choice saved against the next best.
+        others = max((c["cached_tokens"] for h, c in scores.items() if h != best), default=0.0)
+        advantage = (scores[best]["cached_tokens"] - others) / max(request.num_tokens, 1)
+        self.affine.record(best, now, min(max(advantage, 0.0), 1.0))
+        mine = scores[best]["work_s"]
+        saved = min((c["work_s"] for h, c in scores.items() if h != best), default=mine) - mine
+        self.switching.record(best, now, max(saved, 0.0))
         return Decision(
             worker=best,
             policy=self.name,

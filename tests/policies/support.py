@@ -29,13 +29,22 @@ def view(
     waiting: int = 0,
     in_flight: int = 0,
     queued: int = 0,
+    queued_context: int = 0,
+    running_kv: int = 0,
+    active: int = 0,
+    mean_output: float = 0.0,
     hbm_used: int = 0,
     hbm_capacity: int = 10_000,
     ts: float = 0.0,
     bandwidth: dict[Medium, float] | None = None,
     profile: TimingProfile | None = PROFILE,
 ) -> WorkerView:
-    """A worker view with the given load; HBM capacity 10,000 blocks by default."""
+    """A worker view with the given load; HBM capacity 10,000 blocks by default.
+
+    ``queued_context``, ``running_kv``, ``active`` and ``mean_output`` are the view's
+    ``queued_prefill_context``, ``running_kv_tokens``, ``kv_active_blocks`` and
+    ``mean_output_tokens`` (0: not published, as from an older worker).
+    """
     return WorkerView(
         host=host,
         url=f"http://{host}:8000",
@@ -45,6 +54,10 @@ def view(
         waiting=waiting,
         in_flight=in_flight,
         queued_prefill_tokens=queued,
+        queued_prefill_context=queued_context,
+        running_kv_tokens=running_kv,
+        kv_active_blocks=active,
+        mean_output_tokens=mean_output,
         kv_capacity_blocks={Medium.HBM: hbm_capacity},
         kv_used_blocks={Medium.HBM: hbm_used},
         load_bandwidth=dict(bandwidth or {}),

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from indexer.media import Medium
-from policies.cost_model import load_seconds, prefill_seconds, queue_seconds, split_prompt
-from tests.policies.support import BLOCK, PROFILE, match, view
+from policies.cost_model import (
+    decode_batch,
+    load_seconds,
+    memory_wait_seconds,
+    prefill_seconds,
+    queue_seconds,
+    split_prompt,
+)
+from tests.policies.support import BLOCK, PROFILE, chunked_seconds, match, queue_wait, view
 
 
 def test_without_decodes_prefill_is_the_profiles_own_chunked_prefill() -> None:
@@ -46,3 +53,48 @@ def test_loads_use_measured_bandwidth_first_and_hbm_is_free() -> None:
     assert load_seconds(measured, PROFILE, held, BLOCK) == pytest.approx(expected)
     assert load_seconds(measured, PROFILE, match("w", hbm=50), BLOCK) == 0.0
     assert load_seconds(measured, PROFILE, None, BLOCK) == 0.0
+
+
+def test_a_queued_long_prompt_pays_the_attention_of_its_later_chunks() -> None:
+    # One queued 100K-token prompt: new * (cached + new / 2) = 100K^2 / 2 of context.
+    long = queue_seconds(PROFILE, 100_000, queued_context=100_000 * 100_000 // 2)
+    assert long == pytest.approx(chunked_seconds(PROFILE, 100_000))
+    # The same tokens as 100 separate 1K-token prompts attend to far less.
+    short = queue_seconds(PROFILE, 100_000, queued_context=100 * 1_000 * 1_000 // 2)
+    assert short == pytest.approx(queue_wait(PROFILE, 100_000))
+    assert long > 3 * short
+    # Without the published context the queue is costed as fresh chunks, as before.
+    assert queue_seconds(PROFILE, 100_000) == pytest.approx(queue_wait(PROFILE, 100_000))
+
+
+def test_the_decode_batch_is_the_published_running_context_else_a_mean() -> None:
+    assert decode_batch(view("w", running=4, running_kv=50_000), 2048) == (4, 50_000)
+    assert decode_batch(view("w", running=4), 2048) == (4, 4 * 2048)
+    assert decode_batch(view("w"), 2048) == (0, 0)
+
+
+def test_no_memory_wait_while_the_new_prompt_fits_beside_what_is_held() -> None:
+    # 10,000 blocks: 6,000 held by 10 running requests, which will each grow by half
+    # of 160 output tokens (50 blocks in all); a 32K-token prompt needs 2,000.
+    roomy = view("w", running=10, active=6_000, running_kv=96_000)
+    assert memory_wait_seconds(roomy, PROFILE, 32_000, BLOCK, 160.0) == 0.0
+    # An older worker that does not publish its active blocks: no estimate.
+    unknown = view("w", running=10, running_kv=96_000)
+    assert memory_wait_seconds(unknown, PROFILE, 150_000, BLOCK, 160.0) == 0.0
+
+
+def test_a_prompt_that_overflows_hbm_waits_for_running_requests_to_finish() -> None:
+    # 9,500 of 10,000 blocks held by 10 running requests, 2,000 queued tokens (125 blocks)
+    # and 160 output tokens to come (half each on average: 50 blocks). A 16K-token prompt
+    # (1,000 blocks) finds 325 free: it computes those, is preempted, and waits until
+    # enough requests finish to free the other 675 blocks (~960 each: 1 completion).
+    full = view("w", running=10, queued=2_000, active=9_500, running_kv=150_000)
+    wait = memory_wait_seconds(full, PROFILE, 16_000, BLOCK, 160.0)
+    one_finishes = 160 * PROFILE.decode_seconds(10, 150_000) / 10
+    wasted = PROFILE.prefill_seconds(325 * BLOCK)
+    assert wait == pytest.approx(one_finishes + wasted)
+    # Twice the overflow, twice the completions to wait for.
+    bigger = memory_wait_seconds(full, PROFILE, 27_000, BLOCK, 160.0)
+    assert bigger == pytest.approx(2 * one_finishes + wasted)
+    # Longer outputs hold memory longer.
+    assert memory_wait_seconds(full, PROFILE, 16_000, BLOCK, 640.0) > 4 * one_finishes

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from indexer.media import Medium
+from indexer.views import WorkerView
 from policies.base import NoWorkerError
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import (
@@ -212,6 +213,8 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(speculative_ttl_s=0)
     with pytest.raises(ValueError, match="mean_decode_context"):
         KvTtftPolicy(mean_decode_context=-1)
+    with pytest.raises(ValueError, match="mean_output_tokens"):
+        KvTtftPolicy(mean_output_tokens=-1)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
@@ -261,3 +264,67 @@ def test_an_idle_worker_without_the_shared_prefix_is_not_locked_out() -> None:
     )
     assert decision.scores["w3"]["externality_s"] == 0.0
     assert decision.worker == "w3"
+
+
+def test_a_worker_about_to_run_out_of_hbm_loses_its_prefix_advantage() -> None:
+    # "full" holds the first 4K tokens of a 16K-token prompt, but its running requests hold
+    # 9,600 of its 10,000 HBM blocks: the prompt's 750 new blocks do not fit, so it would
+    # be preempted and wait for running requests to finish. "roomy" is idle and empty.
+    prompt = tokens(16_384, seed=30)
+    held = 4096 // BLOCK
+    matches = {"full": match("full", hbm=held)}
+    roomy = view("roomy")
+
+    def full(active: int) -> WorkerView:
+        return view("full", running=24, running_kv=150_000, mean_output=300.0, active=active)
+
+    published = KvTtftPolicy().choose(request(prompt), [full(9_600), roomy], matches)
+    # The same worker as an older heartbeat shows it (no active blocks published): the
+    # memory cannot be seen, and the cached 4K tokens win, as they did before.
+    blind = KvTtftPolicy().choose(request(prompt), [full(0), roomy], matches)
+    assert blind.worker == "full"
+    assert published.worker == "roomy"
+    scores = published.scores["full"]
+    assert scores["memory_wait_s"] > scores["queue_s"] == 0.0
+    assert scores["wait_s"] == scores["memory_wait_s"]
+    assert published.scores["roomy"]["memory_wait_s"] == 0.0
+
+
+def test_a_queue_holding_one_very_long_prompt_is_longer_than_its_token_count_says() -> None:
+    # "long" has one 100K-token prompt queued; "many" has 110K tokens of 1K-token prompts.
+    # By tokens "long" is shorter; by time the 100K prompt's later chunks attend to
+    # everything before them and it takes over three times as long.
+    prompt = tokens(2_000, seed=31)
+    long = view("long", queued=100_000, queued_context=100_000 * 100_000 // 2)
+    many = view("many", queued=110_000, queued_context=110 * 1_000 * 1_000 // 2)
+    decision = KvTtftPolicy().choose(request(prompt), [long, many], {})
+    assert decision.worker == "many"
+    assert decision.scores["long"]["queue_s"] == pytest.approx(chunked_seconds(PROFILE, 100_000))
+    # Without the published context, the token count alone picks "long".
+    plain = [view("long", queued=100_000), view("many", queued=110_000)]
+    assert KvTtftPolicy().choose(request(prompt), plain, {}).worker == "long"
+
+
+def test_a_huge_prompt_cached_nowhere_is_not_pushed_onto_a_backlogged_worker() -> None:
+    # A 64K-token prompt no worker holds costs the same compute anywhere. "backlog" has
+    # 30K tokens queued and was rarely chosen lately (it was busy); "steady" is free and
+    # gets 2 requests/s that would go anywhere.
+    prompt = tokens(65_536, seed=32)
+    workers = [view("backlog", queued=30_000), view("steady")]
+
+    def route(policy: KvTtftPolicy) -> str:
+        for i in range(100):
+            policy.routed.record("steady", i * 0.5)
+            if i % 10 == 0:
+                policy.routed.record("backlog", i * 0.5)
+        return policy.choose(request(prompt, now=50.0), workers, {}).worker
+
+    # Charging the whole work x each worker's recent rate made the backlogged worker,
+    # chosen least lately, look cheapest: the prompt then waited behind its queue.
+    assert route(KvTtftPolicy(excess_work=False)) == "backlog"
+    # Only the work beyond what any worker would spend delays others: none here, so the
+    # request's own TTFT decides.
+    policy = KvTtftPolicy()
+    assert route(policy) == "steady"
+    decision = policy.choose(request(prompt, now=50.01), workers, {})
+    assert decision.scores["steady"]["externality_s"] == pytest.approx(0.0, abs=1e-9)
