@@ -19,8 +19,9 @@ second under ``round_robin`` (a cache-oblivious router), and the capacity is
 the completed requests per second of makespan. A load ``L`` then replays the
 trace at ``time_scale = L * capacity / (trace requests / trace duration)``.
 Cache-aware policies serve more than round robin, so a load above 1 is where
-they saturate: the production-shaped cases go to 1.2, where the peers' workers
-are busy nearly all of the time (the tables print the measured busy share).
+they saturate: the production-shaped cases go to 1.4 (at 1.2 the busiest
+peer's workers were busy 91-97% of the makespan, drain included; the tables
+print the measured busy share).
 
 For every cell the suite prints each policy's summary, then per set: ``kv_ttft``
 against the best peer *at each percentile* (the best peer may differ from one
@@ -88,7 +89,7 @@ LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load9
 PRODUCTION_LOADS: tuple[tuple[str, float], ...] = (
     ("load60", 0.6),
     ("load90", 0.9),
-    ("saturated", 1.2),
+    ("saturated", 1.4),
 )
 
 
