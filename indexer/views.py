@@ -52,6 +52,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
         kv_capacity_blocks: Blocks per medium.
         kv_used_blocks: Blocks holding data per medium (in use or cached).
         load_bandwidth: Measured bytes/s moving KV from each medium into HBM.
+        transfer_bandwidth: Measured bytes/s of KV pulled from other workers (0.0: none yet).
         profile: The worker's timing model.
         ts: When the view was taken (seconds, the publisher's clock).
     """
@@ -73,6 +74,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     kv_capacity_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
     kv_used_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
     load_bandwidth: dict[Medium, float] = msgspec.field(default_factory=dict)
+    transfer_bandwidth: float = 0.0
     profile: TimingProfile | None = None
     ts: float = 0.0
 

@@ -126,6 +126,7 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
         kv_active_blocks=800,
         mean_output_tokens=212.5,
         kv_capacity_blocks={Medium.HBM: 1000},
+        transfer_bandwidth=2.5e9,
     )
     assert decode_view(encode_view(v)) == v
     # A heartbeat from a worker that predates these fields: they read as "not published".
@@ -134,3 +135,4 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
     assert back.running == 2
     assert (back.queued_prefill_context, back.running_kv_tokens, back.kv_active_blocks) == (0, 0, 0)
     assert back.mean_output_tokens == 0.0
+    assert back.transfer_bandwidth == 0.0
