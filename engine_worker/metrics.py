@@ -96,6 +96,22 @@ class WorkerMetrics:
         self.snapshots_published = Counter(
             "kv_snapshots_published", "Snapshots published", namespace=ns, registry=registry
         )
+        self.transfer_bytes = Counter(
+            "kv_transfer_bytes", "KV transfer bytes between workers, by direction",
+            ["direction"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.transfer_blocks = Counter(
+            "kv_transfer_blocks", "KV blocks transferred between workers, by direction",
+            ["direction"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.transfer_failures = Counter(
+            "kv_transfer_failures", "KV pulls refused or failed, by reason (the request "
+            "recomputes)", ["reason"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.transfer_bandwidth = Gauge(
+            "kv_transfer_bandwidth_bytes_per_second", "Measured bandwidth of KV pulls from peers",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
         self.redis_up = Gauge(
             "redis_up", "1 when the worker's last Redis write succeeded",
             namespace=ns, registry=registry,

@@ -19,9 +19,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine_worker.http_limits import BodyLimitMiddleware
+from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError, encode_transfer
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
 from engine_worker.serving import Generation, full_body, prepare_chat, prepare_completion
@@ -205,4 +207,52 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         result: dict[str, Any] = await worker.engine.acall(read)
         return result
 
+    @app.post("/kv/blocks", dependencies=[internal])
+    async def kv_blocks(body: BlocksBody, worker: WorkerDep) -> Response:
+        """Serve the longest cached run of ``keys`` in the binary transfer format."""
+        header, blocks = await worker.export_blocks(body.keys)
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield encode_transfer(header)
+            for block in blocks:
+                yield block
+
+        return StreamingResponse(stream(), media_type="application/octet-stream")
+
+    @app.post("/kv/pull", dependencies=[internal])
+    async def kv_pull(body: PullBody, worker: WorkerDep) -> dict[str, Any]:
+        """Pull the run ``keys`` from the worker at ``source`` into this worker's pool."""
+        try:
+            result = await worker.puller.pull(body.source, body.keys)
+        except TransferError as exc:
+            raise ApiError(
+                502, f"KV transfer from {body.source} failed: {exc}", type_="transfer_error",
+                code=exc.reason,
+            ) from exc  # fmt: skip
+        return {
+            "requested": result.requested,
+            "present": result.present,
+            "pulled": result.pulled,
+            "bytes": result.bytes,
+            "seconds": result.seconds,
+        }
+
     return app
+
+
+_U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
+
+class BlocksBody(BaseModel):
+    """``POST /kv/blocks``: the keys asked for, a contiguous run of one prefix chain."""
+
+    model_config = ConfigDict(extra="forbid")
+    keys: list[_U64] = Field(max_length=MAX_TRANSFER_BLOCKS)
+
+
+class PullBody(BaseModel):
+    """``POST /kv/pull``: pull ``keys`` (a prefix chain from its first block) from ``source``."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(pattern=r"^https?://", max_length=2048)
+    keys: list[_U64] = Field(max_length=64 * MAX_TRANSFER_BLOCKS)

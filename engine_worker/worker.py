@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -19,6 +20,8 @@ import redis.asyncio as aioredis
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, StepRecord
+from engine_worker.kv_pull import KvPuller
+from engine_worker.kv_transfer import TransferHeader, export_blocks
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
 from engine_worker.presence import Presence
@@ -91,6 +94,15 @@ class Worker:
         self.publisher: EventPublisher | None = None
         self.presence: Presence | None = None
         self._roots: dict[str, int] = {}
+        token = settings.internal_token
+        self.puller = KvPuller(
+            engine=self.engine,
+            storage=storage,
+            model=self.model_name,
+            block_size=self.block_size,
+            metrics=metrics,
+            token=token.get_secret_value() if token is not None else None,
+        )
         self._published = (0, 0, 0)
         self._registered = False
 
@@ -227,12 +239,27 @@ class Worker:
         if self.presence is not None:
             await self.presence.stop()
         await asyncio.to_thread(self.engine.stop)
+        await self.puller.aclose()
         if self.publisher is not None:
             await self.publisher.stop()
         if self.redis is not None:
             await self.redis.aclose()
         if self.storage is not None:
             self.storage.close()
+
+    # -- KV transfer ----------------------------------------------------------------------------
+
+    async def export_blocks(self, keys: Sequence[int]) -> tuple[TransferHeader, list[bytes]]:
+        """The longest cached run of ``keys``, copied out between two engine steps."""
+        storage = self.storage
+
+        def read(s: Scheduler) -> tuple[TransferHeader, list[bytes]]:
+            return export_blocks(s.pool, storage, self.model_name, self.block_size, keys)
+
+        header, blocks = await self.engine.acall(read)
+        self.metrics.transfer_blocks.labels("sent").inc(len(blocks))
+        self.metrics.transfer_bytes.labels("sent").inc(sum(map(len, blocks)))
+        return header, blocks
 
     # -- state for heartbeats and metrics ------------------------------------------------------
 
@@ -282,6 +309,7 @@ class Worker:
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=dict(st.used_blocks),
             load_bandwidth=self.load_bandwidth(),
+            transfer_bandwidth=self.puller.bandwidth or 0.0,
             profile=self.profile(),
             ts=time.time(),
         )
@@ -301,6 +329,8 @@ class Worker:
             m.kv_usage.labels(med.value).set(used / total if total else 0.0)
         for med, bw in self.load_bandwidth().items():
             m.load_bandwidth.labels(med.value).set(bw)
+        if (transfer := self.puller.bandwidth) is not None:
+            m.transfer_bandwidth.set(transfer)
         for kind, counts in (
             ("demotion", st.moves.demotions),
             ("promotion", st.moves.promotions),

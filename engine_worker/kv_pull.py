@@ -1,0 +1,162 @@
+"""Pulling KV blocks from another worker: only what this worker lacks, validated, timed.
+
+:class:`KvPuller` asks its own pool how much of a run of keys it holds
+already, requests the rest from the source worker's ``POST /kv/blocks`` in
+windows of at most :data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS`,
+validates each window in full (:func:`~engine_worker.kv_transfer.read_transfer`)
+and only then imports it on the engine thread. A failure leaves the blocks
+imported so far (each a valid prefix) and raises
+:class:`~engine_worker.kv_transfer.TransferError`: the caller computes what
+is missing. Every pull is timed end to end (request to last byte) and folded
+into the worker's transfer bandwidth, which its heartbeat publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+
+from engine_worker.block_pool import BlockPool
+from engine_worker.engine import EngineLoop
+from engine_worker.kv_transfer import (
+    MAX_TRANSFER_BLOCKS,
+    TransferError,
+    expected_for,
+    import_blocks,
+    read_transfer,
+)
+from engine_worker.metrics import WorkerMetrics
+from engine_worker.scheduler import Scheduler
+from engine_worker.tiers import TierStorage, TransferStat
+
+__all__ = ["KvPuller", "PullResult"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """What one pull did.
+
+    Attributes:
+        requested: Keys asked for (the whole run).
+        present: Leading keys this worker held already (not transferred).
+        pulled: Blocks received and imported.
+        bytes: Bytes received (headers included).
+        seconds: Wall time of the transfers.
+    """
+
+    requested: int
+    present: int
+    pulled: int
+    bytes: int
+    seconds: float
+
+
+class KvPuller:
+    """Pulls blocks into one worker's pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        engine: EngineLoop,
+        storage: TierStorage | None,
+        model: str,
+        block_size: int,
+        metrics: WorkerMetrics,
+        token: str | None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.storage = storage
+        self.model = model
+        self.block_size = block_size
+        self.metrics = metrics
+        self.stat = TransferStat()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.aclose()
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Recent bytes/s of pulls (None before the first)."""
+        return self.stat.bandwidth
+
+    async def _on_pool(self, fn: Callable[[BlockPool], _T]) -> _T:
+        def call(s: Scheduler) -> _T:
+            return fn(s.pool)
+
+        return await self.engine.acall(call)
+
+    async def pull(self, source_url: str, keys: Sequence[int]) -> PullResult:
+        """Make this worker hold the run ``keys`` (a prefix chain), pulling from ``source_url``.
+
+        Raises:
+            TransferError: The source refused, the connection failed, or a window was
+                invalid (``reason`` says which); windows before it stay imported.
+        """
+        keys = list(keys)
+        present = await self._on_pool(lambda p: len(p.match_prefix(keys)))
+        pulled = received = 0
+        started = time.perf_counter()
+        try:
+            for start in range(present, len(keys), MAX_TRANSFER_BLOCKS):
+                window = keys[start : start + MAX_TRANSFER_BLOCKS]
+                got, size = await self._window(source_url, window)
+                pulled += got
+                received += size
+                if got < len(window):
+                    break
+        except TransferError as exc:
+            self.metrics.transfer_failures.labels(exc.reason).inc()
+            log.warning("pull of %d blocks from %s refused: %s", len(keys), source_url, exc)
+            raise
+        seconds = time.perf_counter() - started
+        if received:
+            self.stat.add(received, seconds)
+            self.metrics.transfer_bytes.labels("received").inc(received)
+            self.metrics.transfer_blocks.labels("received").inc(pulled)
+        return PullResult(len(keys), present, pulled, received, seconds)
+
+    async def _window(self, source_url: str, keys: list[int]) -> tuple[int, int]:
+        """Pull one window; returns (blocks imported, bytes received)."""
+        layout = self.storage.layout if self.storage is not None else None
+        expected = expected_for(self.model, self.block_size, layout, keys)
+        received = 0
+        url = f"{source_url.rstrip('/')}/kv/blocks"
+        try:
+            async with self._client.stream(
+                "POST", url, json={"keys": keys}, headers=self._headers
+            ) as response:
+                if response.status_code != 200:
+                    body = (await response.aread())[:300].decode(errors="replace")
+                    reason = "auth" if response.status_code in (401, 403) else "http"
+                    raise TransferError(reason, f"{url} answered {response.status_code}: {body}")
+
+                async def counted() -> AsyncIterator[bytes]:
+                    nonlocal received
+                    async for chunk in response.aiter_bytes():
+                        received += len(chunk)
+                        yield chunk
+
+                header, blocks = await read_transfer(counted(), expected)
+        except httpx.HTTPError as exc:
+            raise TransferError("http", f"{url}: {exc!r}") from exc
+        if not header.keys:
+            return 0, received
+        storage = self.storage
+
+        def put(pool: BlockPool) -> int:
+            return import_blocks(pool, storage, header.parent, header.keys, blocks)
+
+        return await self._on_pool(put), received

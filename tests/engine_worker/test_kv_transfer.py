@@ -1,0 +1,173 @@
+"""KV block transfer: the wire format refuses every bad transfer; good ones enter the pool."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import pytest
+import torch
+
+from engine_worker.block_pool import BlockPool, TierCapacity
+from engine_worker.kv_layout import KVLayout
+from engine_worker.kv_transfer import (
+    MAGIC,
+    TransferError,
+    TransferHeader,
+    encode_transfer,
+    expected_for,
+    export_blocks,
+    import_blocks,
+    read_transfer,
+)
+from engine_worker.tiers import TierStorage
+from indexer.events import BlockStored
+from indexer.keys import block_keys, root_parent
+from indexer.media import Medium
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="bfloat16")
+ROOT = root_parent("m")
+KEYS = block_keys(list(range(24)), LAYOUT.block_size, ROOT)  # 6 full blocks
+
+
+def storage_and_pool(hbm: int = 16, dram: int = 8) -> tuple[TierStorage, BlockPool]:
+    capacity = TierCapacity(hbm=hbm, dram=dram)
+    storage = TierStorage(LAYOUT, capacity)
+    return storage, BlockPool(capacity, storage)
+
+
+def fill(
+    pool: BlockPool, storage: TierStorage, keys: list[int], seed: int = 0, parent: int = ROOT
+) -> None:
+    """Cache ``keys`` as one request would (random bytes per block), then release them."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = pool.allocate(len(keys))
+    for block, key in zip(blocks, keys, strict=True):
+        data = torch.randn(LAYOUT.block_shape, generator=gen).to(storage.dtype)
+        storage.write_block(Medium.HBM, block.block_id, data)
+        pool.cache_block(block, key, parent)
+        parent = key
+    pool.free(blocks[::-1])
+
+
+async def chunks_of(data: bytes, size: int = 37) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def wire(header: TransferHeader, blocks: list[bytes]) -> bytes:
+    return encode_transfer(header) + b"".join(blocks)
+
+
+def source(keys: list[int] = KEYS) -> tuple[TransferHeader, list[bytes]]:
+    storage, pool = storage_and_pool()
+    fill(pool, storage, keys)
+    return export_blocks(pool, storage, "m", LAYOUT.block_size, keys)
+
+
+EXPECTED = expected_for("m", LAYOUT.block_size, LAYOUT, KEYS)
+
+
+async def test_a_transfer_round_trips_and_enters_the_receivers_pool_as_cached_blocks() -> None:
+    header, blocks = source()
+    assert header.keys == KEYS
+    assert header.parent == ROOT
+    assert all(len(b) == LAYOUT.block_bytes for b in blocks)
+    got_header, got = await read_transfer(chunks_of(wire(header, blocks)), EXPECTED)
+    assert got == blocks
+
+    storage, pool = storage_and_pool()
+    assert import_blocks(pool, storage, got_header.parent, got_header.keys, got) == len(KEYS)
+    events = pool.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [e.keys[0] for e in stored] == KEYS
+    assert [e.parent for e in stored] == [ROOT, *KEYS[:-1]]
+    assert all(e.medium is Medium.HBM for e in stored)
+    # Cached and free, like a finished request's prefix: nothing is held.
+    assert pool.num_free(Medium.HBM) == 16
+    matched = pool.match_prefix(KEYS)
+    assert len(matched) == len(KEYS)
+    again, _ = export_blocks(pool, storage, "m", LAYOUT.block_size, KEYS)
+    assert again.checksums == header.checksums
+    pool.verify()
+
+
+async def test_serving_reads_from_any_medium_and_stops_at_the_first_missing_block() -> None:
+    storage, pool = storage_and_pool(hbm=4, dram=8)
+    fill(pool, storage, KEYS[:3])
+    fill(pool, storage, KEYS[3:], seed=1, parent=KEYS[2])  # the first ones went to DRAM
+    media = [b.medium for b in pool.match_prefix(KEYS)]
+    assert Medium.DRAM in media
+    assert Medium.HBM in media
+    header, blocks = export_blocks(pool, storage, "m", LAYOUT.block_size, KEYS)
+    assert header.keys == KEYS
+    # Serving does not promote or reorder anything.
+    assert [b.medium for b in pool.match_prefix(KEYS)] == media
+    # A receiver that asks for more than the source holds gets the run it has.
+    other = block_keys(list(range(100, 108)), LAYOUT.block_size, KEYS[-1])
+    header, blocks = export_blocks(pool, storage, "m", LAYOUT.block_size, [*KEYS[2:], *other])
+    assert header.keys == KEYS[2:]
+    assert header.parent == KEYS[1]
+    assert len(blocks) == 4
+
+
+async def test_import_skips_blocks_the_receiver_computed_meanwhile_and_what_does_not_fit() -> None:
+    header, blocks = source()
+    storage, pool = storage_and_pool(hbm=4, dram=0)
+    fill(pool, storage, KEYS[:1], seed=9)
+    added = import_blocks(pool, storage, header.parent, header.keys, blocks)
+    # Key 0 was there and stays; of HBM's 4 blocks 3 are left for the import.
+    assert added == 3
+    assert len(pool.match_prefix(KEYS)) == 4
+    pool.verify()
+
+
+def _mutations() -> list[tuple[str, Callable[[TransferHeader, list[bytes]], bytes]]]:
+    def header_with(**changes: object) -> Callable[[TransferHeader, list[bytes]], bytes]:
+        return lambda h, b: wire(msgspec.structs.replace(h, **changes), b)
+
+    def flip(h: TransferHeader, b: list[bytes]) -> bytes:
+        data = bytearray(wire(h, b))
+        data[-5] ^= 0x40
+        return bytes(data)
+
+    return [
+        ("checksum", flip),
+        ("model", header_with(model="other")),
+        ("block_size", header_with(block_size=8)),
+        ("dtype", header_with(dtype="float16")),
+        ("shape", header_with(block_shape=[3, 2, 4, 2, 8])),
+        ("count", header_with(checksums=[0])),
+        ("keys", header_with(keys=KEYS[1:] + KEYS[:1])),
+        ("truncated", lambda h, b: wire(h, b)[:-3]),
+        ("trailing", lambda h, b: wire(h, b) + b"x"),
+        ("magic", lambda h, b: b"NOPE" + wire(h, b)[4:]),
+        ("header", lambda h, b: MAGIC + (2**31).to_bytes(4, "big")),
+        ("header", lambda h, b: MAGIC + (3).to_bytes(4, "big") + b"\xc1\xc1\xc1"),
+        ("truncated", lambda h, b: wire(h, b)[:6]),
+    ]
+
+
+@pytest.mark.parametrize(("reason", "mutate"), _mutations())
+async def test_a_bad_transfer_is_refused_with_its_reason(
+    reason: str, mutate: Callable[[TransferHeader, list[bytes]], bytes]
+) -> None:
+    header, blocks = source()
+    with pytest.raises(TransferError) as caught:
+        await read_transfer(chunks_of(mutate(header, blocks)), EXPECTED)
+    assert caught.value.reason == reason
+
+
+async def test_the_receiver_checks_its_own_layout_not_the_senders_claim() -> None:
+    header, blocks = source()
+    other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    with pytest.raises(TransferError, match="dtype"):
+        await read_transfer(chunks_of(wire(header, blocks)), expected_for("m", 4, other, KEYS))
+    # A worker without KV bytes (sim runner) takes metadata-only transfers, and only those.
+    sim = expected_for("m", 4, None, KEYS)
+    with pytest.raises(TransferError, match="dtype"):
+        await read_transfer(chunks_of(wire(header, blocks)), sim)
+    pool = BlockPool(TierCapacity(hbm=8))
+    bare = export_blocks(pool, None, "m", 4, KEYS)[0]
+    assert bare.keys == []
+    assert bare.dtype == "none"
