@@ -98,8 +98,13 @@ class KvPuller:
 
         return await self.engine.acall(call)
 
-    async def pull(self, source_url: str, keys: Sequence[int]) -> PullResult:
+    async def pull(
+        self, source_url: str, keys: Sequence[int], release: str | None = None
+    ) -> PullResult:
         """Make this worker hold the run ``keys`` (a prefix chain), pulling from ``source_url``.
+
+        ``release`` names the source's lease on these blocks (a PD hand-off): the last
+        request releases it, or a request for nothing when this worker holds them all.
 
         Raises:
             TransferError: The source refused, the connection failed, or a window was
@@ -109,10 +114,14 @@ class KvPuller:
         present = await self._on_pool(lambda p: len(p.match_prefix(keys)))
         pulled = received = 0
         started = time.perf_counter()
+        starts = list(range(present, len(keys), MAX_TRANSFER_BLOCKS)) or [len(keys)]
         try:
-            for start in range(present, len(keys), MAX_TRANSFER_BLOCKS):
+            for start in starts:
                 window = keys[start : start + MAX_TRANSFER_BLOCKS]
-                got, size = await self._window(source_url, window)
+                if not window and release is None:
+                    break
+                last = start == starts[-1]
+                got, size = await self._window(source_url, window, release if last else None)
                 pulled += got
                 received += size
                 if got < len(window):
@@ -128,7 +137,9 @@ class KvPuller:
             self.metrics.transfer_blocks.labels("received").inc(pulled)
         return PullResult(len(keys), present, pulled, received, seconds)
 
-    async def _window(self, source_url: str, keys: list[int]) -> tuple[int, int]:
+    async def _window(
+        self, source_url: str, keys: list[int], release: str | None
+    ) -> tuple[int, int]:
         """Pull one window; returns (blocks imported, bytes received)."""
         layout = self.storage.layout if self.storage is not None else None
         expected = expected_for(self.model, self.block_size, layout, keys)
@@ -136,7 +147,7 @@ class KvPuller:
         url = f"{source_url.rstrip('/')}/kv/blocks"
         try:
             async with self._client.stream(
-                "POST", url, json={"keys": keys}, headers=self._headers
+                "POST", url, json={"keys": keys, "release": release}, headers=self._headers
             ) as response:
                 if response.status_code != 200:
                     body = (await response.aread())[:300].decode(errors="replace")

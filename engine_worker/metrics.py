@@ -112,6 +112,14 @@ class WorkerMetrics:
             "kv_transfer_bandwidth_bytes_per_second", "Measured bandwidth of KV pulls from peers",
             namespace=ns, registry=registry,
         )  # fmt: skip
+        self.leases = Gauge(
+            "kv_leases", "PD: prefilled block runs held for a decoder",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.leases_expired = Counter(
+            "kv_leases_expired", "PD: leases released unclaimed after lease_ttl_s",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
         self.redis_up = Gauge(
             "redis_up", "1 when the worker's last Redis write succeeded",
             namespace=ns, registry=registry,

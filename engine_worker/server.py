@@ -210,7 +210,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     @app.post("/kv/blocks", dependencies=[internal])
     async def kv_blocks(body: BlocksBody, worker: WorkerDep) -> Response:
         """Serve the longest cached run of ``keys`` in the binary transfer format."""
-        header, blocks = await worker.export_blocks(body.keys)
+        header, blocks = await worker.export_blocks(body.keys, body.release)
 
         async def stream() -> AsyncIterator[bytes]:
             yield encode_transfer(header)
@@ -248,6 +248,7 @@ class BlocksBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     keys: list[_U64] = Field(max_length=MAX_TRANSFER_BLOCKS)
+    release: str | None = Field(None, max_length=128, description="PD lease to release after")
 
 
 class PullBody(BaseModel):

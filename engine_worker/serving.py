@@ -11,13 +11,19 @@ blocks return to the pool at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from engine_worker.engine import TokenEvent
+from engine_worker.kv_transfer import TransferError
+from engine_worker.pd import PdParams, parse_pd
 from engine_worker.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -30,9 +36,12 @@ from engine_worker.protocol import (
 from engine_worker.request import FinishReason, Request, SamplingParams
 from engine_worker.scheduler import RequestTooLargeError
 from engine_worker.worker import Worker
+from indexer.keys import block_keys
 from indexer.media import MEDIA
 
 __all__ = ["Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
+
+log = logging.getLogger(__name__)
 
 _CANCEL_POLL_S = 0.25
 
@@ -51,6 +60,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     echo_text: str = ""
+    pd: PdParams | None = None
 
 
 def _sampling(worker: Worker, body: CompletionRequest | ChatCompletionRequest, n_prompt: int,
@@ -114,17 +124,20 @@ def prepare_completion(worker: Worker, body: CompletionRequest) -> Prepared:
         echo = worker.tokenizer.decode(ids) if body.echo else ""
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt")
-    return Prepared(
-        request_id=new_id("cmpl"),
-        endpoint="completions",
-        model=worker.model_name,
-        prompt_ids=ids,
-        sampling=_sampling(worker, body, len(ids), 16),
-        stops=body.stop_list(),
-        cache_salt=body.cache_salt,
-        stream=body.stream,
-        include_usage=body.include_usage,
-        echo_text=echo if body.echo else "",
+    return _with_pd(
+        Prepared(
+            request_id=new_id("cmpl"),
+            endpoint="completions",
+            model=worker.model_name,
+            prompt_ids=ids,
+            sampling=_sampling(worker, body, len(ids), 16),
+            stops=body.stop_list(),
+            cache_salt=body.cache_salt,
+            stream=body.stream,
+            include_usage=body.include_usage,
+            echo_text=echo if body.echo else "",
+        ),
+        body,
     )
 
 
@@ -142,17 +155,34 @@ def prepare_chat(worker: Worker, body: ChatCompletionRequest) -> Prepared:
     except ChatTemplateError as exc:
         raise ApiError(400, f"cannot render the chat: {exc}", param="messages") from exc
     ids = worker.tokenizer.encode(text, add_special_tokens=False)
-    return Prepared(
-        request_id=new_id("chatcmpl"),
-        endpoint="chat",
-        model=worker.model_name,
-        prompt_ids=ids,
-        sampling=_sampling(worker, body, len(ids), worker.max_model_len),
-        stops=body.stop_list(),
-        cache_salt=body.cache_salt,
-        stream=body.stream,
-        include_usage=body.include_usage,
+    return _with_pd(
+        Prepared(
+            request_id=new_id("chatcmpl"),
+            endpoint="chat",
+            model=worker.model_name,
+            prompt_ids=ids,
+            sampling=_sampling(worker, body, len(ids), worker.max_model_len),
+            stops=body.stop_list(),
+            cache_salt=body.cache_salt,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        ),
+        body,
     )
+
+
+def _with_pd(prep: Prepared, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    """Attach the request's ``kv_transfer_params``; a prefill-only request makes one token."""
+    pd = parse_pd(body.kv_transfer_params)
+    if pd is not None and pd.remote_decode:
+        if prep.stream:
+            raise ApiError(
+                400, "a prefill-only request (do_remote_decode) cannot be streamed",
+                param="stream",
+            )  # fmt: skip
+        prep.sampling = dataclasses.replace(prep.sampling, max_tokens=1)
+    prep.pd = pd
+    return prep
 
 
 @dataclass(slots=True)
@@ -173,6 +203,49 @@ class Generation:
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
     _done: bool = False
+
+    def prompt_keys(self) -> list[int]:
+        """Block keys of the prompt's full blocks (what the index and transfers name)."""
+        w, p = self.worker, self.prep
+        return block_keys(p.prompt_ids, w.block_size, w.root(p.cache_salt))
+
+    async def pull_prefill(self) -> None:
+        """PD decode: pull the prefilled blocks this worker lacks; on failure compute them."""
+        pd = self.prep.pd
+        if pd is None or not pd.remote_prefill:
+            return
+        own = self.prompt_keys()
+        run = 0
+        while run < min(len(own), len(pd.block_keys)) and own[run] == pd.block_keys[run]:
+            run += 1
+        try:
+            await self.worker.puller.pull(pd.source, own[:run], release=pd.lease)
+        except TransferError as exc:
+            log.warning(
+                "request %s: KV pull from %s failed (%s); computing the prompt here",
+                self.prep.request_id, pd.source, exc,
+            )  # fmt: skip
+
+    async def hand_off(self) -> dict[str, Any] | None:
+        """PD prefill: hold the prompt's blocks for a decoder; its ``kv_transfer_params``."""
+        pd = self.prep.pd
+        if pd is None or not pd.remote_decode:
+            return None
+        w, p = self.worker, self.prep
+        held = await w.hold_blocks(p.request_id, self.prompt_keys())
+        url = httpx.URL(w.settings.url)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": w.name,
+            "remote_host": url.host,
+            "remote_port": url.port or (443 if url.scheme == "https" else 80),
+            "remote_block_ids": held,
+            "block_keys": held,
+            "remote_request_id": p.request_id,
+            "num_tokens": len(p.prompt_ids),
+            "tp_size": 1,
+        }
 
     def usage(self) -> Usage:
         """Token counts so far (final once the stream ended)."""
@@ -202,6 +275,7 @@ class Generation:
         except RequestTooLargeError as exc:
             raise ApiError(400, str(exc), code="context_length_exceeded") from exc
         t0 = time.perf_counter()
+        await self.pull_prefill()
         last = t0
         first_at: float | None = None
         queue = w.engine.submit(req)
@@ -376,4 +450,6 @@ async def full_body(gen: Generation) -> dict[str, Any]:
     else:
         body = completion_chunk(p, p.echo_text + text, reason, created)
     body["usage"] = gen.usage().model_dump()
+    if (params := await gen.hand_off()) is not None:
+        body["kv_transfer_params"] = params
     return body

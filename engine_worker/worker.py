@@ -10,6 +10,7 @@ worker serves alone (no events, no heartbeat).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from engine_worker.kv_pull import KvPuller
 from engine_worker.kv_transfer import TransferHeader, export_blocks
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
+from engine_worker.pd import Leases
 from engine_worker.presence import Presence
 from engine_worker.profiles import default_profile, load_profile
 from engine_worker.publisher import EventPublisher, new_epoch
@@ -103,6 +105,8 @@ class Worker:
             metrics=metrics,
             token=token.get_secret_value() if token is not None else None,
         )
+        self.leases = Leases()
+        self._lease_task: asyncio.Task[None] | None = None
         self._published = (0, 0, 0)
         self._registered = False
 
@@ -230,6 +234,7 @@ class Worker:
             # The first message of every epoch is a snapshot (SSD blocks restored at start).
             self.engine.request_snapshot()
         self.engine.start()
+        self._lease_task = asyncio.create_task(self._expire_leases(), name="lease-expiry")
         self._refresh_state(self.scheduler)
         if self.presence is not None:
             self.presence.start()
@@ -238,6 +243,12 @@ class Worker:
         """Stop serving: heartbeat first (routers drop us), then the engine, then publishing."""
         if self.presence is not None:
             await self.presence.stop()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
+        if self.engine.alive:
+            await self.engine.acall(self.leases.release_all)
         await asyncio.to_thread(self.engine.stop)
         await self.puller.aclose()
         if self.publisher is not None:
@@ -249,17 +260,42 @@ class Worker:
 
     # -- KV transfer ----------------------------------------------------------------------------
 
-    async def export_blocks(self, keys: Sequence[int]) -> tuple[TransferHeader, list[bytes]]:
-        """The longest cached run of ``keys``, copied out between two engine steps."""
+    async def export_blocks(
+        self, keys: Sequence[int], release: str | None = None
+    ) -> tuple[TransferHeader, list[bytes]]:
+        """The longest cached run of ``keys``, copied out between two engine steps; then
+        the lease ``release`` (if any) is released in the same step."""
         storage = self.storage
 
         def read(s: Scheduler) -> tuple[TransferHeader, list[bytes]]:
-            return export_blocks(s.pool, storage, self.model_name, self.block_size, keys)
+            out = export_blocks(s.pool, storage, self.model_name, self.block_size, keys)
+            if release is not None:
+                self.leases.release(s, release)
+            return out
 
         header, blocks = await self.engine.acall(read)
         self.metrics.transfer_blocks.labels("sent").inc(len(blocks))
         self.metrics.transfer_bytes.labels("sent").inc(sum(map(len, blocks)))
         return header, blocks
+
+    async def hold_blocks(self, lease_id: str, keys: Sequence[int]) -> list[int]:
+        """Hold the leading HBM run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
+        ttl = self.settings.lease_ttl_s
+        held = await self.engine.acall(lambda s: self.leases.hold(s, lease_id, keys, ttl))
+        self.metrics.leases.set(len(self.leases))
+        return held
+
+    async def _expire_leases(self) -> None:
+        period = min(1.0, self.settings.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if not self.engine.alive:
+                continue
+            expired = await self.engine.acall(self.leases.expire)
+            if expired:
+                self.metrics.leases_expired.inc(expired)
+                log.info("worker %s: %d block leases expired unclaimed", self.name, expired)
+            self.metrics.leases.set(len(self.leases))
 
     # -- state for heartbeats and metrics ------------------------------------------------------
 

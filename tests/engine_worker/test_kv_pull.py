@@ -161,3 +161,105 @@ def test_pulled_blocks_are_announced_to_the_index(redis_url: str) -> None:
         finally:
             client.close()
         assert set(KEYS) <= stored
+
+
+def in_use(url: str) -> int:
+    stats = httpx.get(f"{url}/kv/stats", headers=AUTH, timeout=10).json()
+    n: int = stats["in_use_blocks"]
+    return n
+
+
+def pd_request(url: str, params: dict[str, Any], max_tokens: int = 6) -> httpx.Response:
+    body = {
+        "model": "tiny", "prompt": PD_PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "kv_transfer_params": params,
+    }  # fmt: skip
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+PD_PROMPT = list(range(500, 580))  # 5 full blocks, not used by the other tests
+
+
+def test_prefill_on_one_worker_and_decode_on_another_gives_the_colocated_tokens(
+    trio: list[str],
+) -> None:
+    a, b, c = trio
+    prefill = pd_request(a, {"do_remote_decode": True})
+    assert prefill.status_code == 200, prefill.text
+    body = prefill.json()
+    params = body["kv_transfer_params"]
+    keys = block_keys(PD_PROMPT, 16, root_parent("tiny"))
+    assert params["do_remote_prefill"] is True
+    assert params["remote_block_ids"] == keys
+    assert params["remote_engine_id"] == "a"
+    assert (params["remote_host"], params["num_tokens"]) == ("127.0.0.1", 80)
+    assert body["usage"]["completion_tokens"] == 1
+    # The prompt's 5 blocks stay referenced on A until a decoder pulls them.
+    assert in_use(a) == 5
+    assert metric(a, "kv_leases") == 1
+
+    decoded = pd_request(b, params)
+    assert decoded.status_code == 200, decoded.text
+    colocated = pd_request(c, {})
+    assert decoded.json()["choices"][0]["text"] == colocated.json()["choices"][0]["text"]
+    assert decoded.json()["choices"][0]["text"].startswith(body["choices"][0]["text"])
+    assert decoded.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    # The pull released the lease: A holds nothing any more (its blocks stay cached).
+    assert in_use(a) == 0
+    assert set(keys) <= hbm_keys(a)
+
+
+def test_an_unclaimed_lease_expires_and_frees_its_blocks() -> None:
+    with workers(settings("p", lease_ttl_s=0.4)) as (p,):
+        assert pd_request(p, {"do_remote_decode": True}).status_code == 200
+        assert in_use(p) == 5
+        deadline = time.monotonic() + 10
+        while in_use(p) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert in_use(p) == 0
+        assert metric(p, "kv_leases_expired_total") == 1
+
+
+def test_a_decoder_whose_prefill_worker_is_gone_computes_the_prompt_itself(
+    trio: list[str],
+) -> None:
+    _, b, c = trio
+    dead = free_port()
+    params = {
+        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead,
+        "remote_block_ids": block_keys(list(range(600, 680)), 16, root_parent("tiny")),
+        "remote_request_id": "gone",
+    }  # fmt: skip
+    failures = metric(b, "kv_transfer_failures_total", 'reason="http"')
+    body = {"model": "tiny", "prompt": list(range(600, 680)), "max_tokens": 5, "temperature": 0}
+    r = httpx.post(f"{b}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    expected = httpx.post(f"{c}/v1/completions", json=body, timeout=60).json()
+    assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(b, "kv_transfer_failures_total", 'reason="http"') == failures + 1
+
+
+def remote(**changes: Any) -> dict[str, Any]:
+    base = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 80}
+    return {**base, "remote_block_ids": [], **changes}
+
+
+@pytest.mark.parametrize(
+    ("params", "extra", "message"),
+    [
+        ({"do_remote_decode": True}, {"stream": True}, "cannot be streamed"),
+        ({"do_remote_decode": "yes"}, {}, "must be booleans"),
+        (remote(remote_port=0), {}, "remote_port"),
+        (remote(remote_host="h/x"), {}, "remote_host"),
+        (remote(remote_block_ids=[-1]), {}, "remote_block_ids"),
+    ],
+)
+def test_malformed_kv_transfer_params_are_a_400(
+    trio: list[str], params: dict[str, Any], extra: dict[str, Any], message: str
+) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": params}
+    r = httpx.post(f"{trio[0]}/v1/completions", json={**body, **extra}, timeout=30)
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_transfer_params" or message == "cannot be streamed"
