@@ -18,6 +18,7 @@ def serve(
     redis: Annotated[str, typer.Option("--redis", help="Redis URL (index + registry)")] = "",
     worker: Annotated[list[str] | None, typer.Option(help="Static worker URL (repeatable)")] = None,
     policy: Annotated[str, typer.Option(help="Routing policy")] = "",
+    pd: Annotated[str, typer.Option(help="Prefill/decode split: never | always | auto")] = "",
     block_size: Annotated[int | None, typer.Option(help="Tokens per KV block")] = None,
     key_prefix: Annotated[str, typer.Option(help="Redis key prefix")] = "",
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
@@ -31,7 +32,7 @@ def serve(
 
     given: dict[str, Any] = {
         "port": port, "bind": bind, "models": model, "redis_url": redis, "workers": worker,
-        "policy": policy, "block_size": block_size, "key_prefix": key_prefix,
+        "policy": policy, "block_size": block_size, "key_prefix": key_prefix, "pd": pd,
     }  # fmt: skip
     settings = RouterSettings(**{k: v for k, v in given.items() if v not in (None, "", [])})
     configure_logging("gateway", log_level)

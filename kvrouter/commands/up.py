@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 
 def up(
-    workers: Annotated[int, typer.Option(min=1, help="Number of workers")] = 2,
+    workers: Annotated[int, typer.Option(min=0, help="Workers that prefill and decode")] = 2,
+    prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers")] = 0,
+    decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers")] = 0,
+    pd: Annotated[str, typer.Option(help="Prefill/decode split: never | always | auto")] = "",
     runner: Annotated[str, typer.Option(help="torch (real model) | sim (timing model)")] = "torch",
     model: Annotated[str, typer.Option(help="smollm2 | tiny | .gguf file | HF directory")] = (
         "smollm2"
@@ -75,11 +78,15 @@ def up(
             f"http://127.0.0.1:{indexer_port}/metrics",
         )
         pool = []
-        for i in range(workers):
+        roles = ["both"] * workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
+        if not roles:
+            raise RuntimeError("no worker to start: give --workers, --prefill-workers or both")
+        split = pd or ("always" if prefill_workers and decode_workers else "never")
+        for i, role in enumerate(roles):
             wport = worker_port + i
             args = [
                 *py, "worker", "--model", model, "--runner", runner, "--port", str(wport),
-                "--name", f"worker-{i}", "--redis", redis_url,
+                "--name", f"worker-{i}", "--redis", redis_url, "--role", role,
                 "--hbm-blocks", str(hbm_blocks), "--dram-blocks", str(dram_blocks),
             ]  # fmt: skip
             if ssd_blocks:
@@ -89,14 +96,15 @@ def up(
         gateway = sup.spawn(
             "gateway",
             [*py, "serve", "--port", str(port), "--model", model, "--redis", redis_url,
-             "--policy", policy],
+             "--policy", policy, "--pd", split],
             f"http://127.0.0.1:{port}/ready",
         )  # fmt: skip
-        with console.status(f"starting {workers} {runner} workers ({model})..."):
+        with console.status(f"starting {len(roles)} {runner} workers ({model})..."):
             sup.wait_healthy([indexer, *pool, gateway], start_timeout)
         console.print(
             f"[bold green]kvrouter is up[/]: gateway http://127.0.0.1:{port}/v1 "
-            f"({workers} workers, policy {policy}, Redis {redis_url}); logs in {log_dir}/\n"
+            f"({len(roles)} workers, policy {policy}, pd {split}, Redis {redis_url}); "
+            f"logs in {log_dir}/\n"
             f"Try: curl -s http://127.0.0.1:{port}/v1/models   (Ctrl-C stops everything)"
         )
         while not stopping:

@@ -26,16 +26,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.http_limits import BodyLimitMiddleware
 from engine_worker.model.registry import resolve
+from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
 from engine_worker.server import install_error_handlers
 from engine_worker.tokenizer import load_tokenizer
 from indexer.index.redis_index import RedisIndex
+from indexer.views import Role, WorkerView
 from indexer.wire import Keyspace
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.dispatch import Dispatcher, Upstream, stream_error_event
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.pd import PdPlan, PdPlanner
 from kvrouter.gateway.routing import ModelTokens, Routed, Router
 from kvrouter.gateway.settings import RouterSettings
 from kvrouter.logs import request_id_var
@@ -59,6 +62,11 @@ class Gateway:
     load: LoadTracker
     affinity: SessionAffinity
     metrics: RouterMetrics
+    pd: PdPlanner | None = None
+
+    def decoders(self, model: str) -> list[WorkerView]:
+        """Decode-capable workers serving ``model`` (role decode or both), by name."""
+        return [v for v in self.directory.routable(model) if v.role in (Role.DECODE, Role.BOTH)]
 
 
 def get_gateway(request: Request) -> Gateway:
@@ -150,7 +158,10 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         await directory.refresh()
         directory.start()
         load.start()
-        gw = Gateway(settings, router, dispatcher, directory, load, SessionAffinity(), metrics)
+        planner = PdPlanner(settings.pd, load, default_profile())
+        gw = Gateway(
+            settings, router, dispatcher, directory, load, SessionAffinity(), metrics, planner
+        )
         log.info(
             "gateway on %s:%d: models %s, policy %s, %d workers known",
             settings.bind, settings.port, sorted(models), settings.policy, len(directory.views),
@@ -245,11 +256,21 @@ async def _handle(
         worker = gw.affinity.prefer(session, routed.decision)
         policy = routed.decision.policy
         candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
+        plan = _plan(gw, body.model, routed, worker)
         wants_usage = body.include_usage
         if body.stream:
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+        prefill_tokens = _prefill_tokens(routed)
+        if plan is not None and plan.disaggregate and plan.decode is not None:
+            params = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
+            if params is not None:
+                raw["kv_transfer_params"] = params
+            others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
+            candidates = [plan.decode, *others]
+        elif plan is not None and plan.prefill != worker:
+            candidates = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
         up = await gw.dispatcher.open(
-            candidates, path, json.dumps(raw).encode(), rid, _prefill_tokens(routed),
+            candidates, path, json.dumps(raw).encode(), rid, prefill_tokens,
             whole=not body.stream,
         )  # fmt: skip
     except ApiError as exc:
@@ -262,6 +283,8 @@ async def _handle(
     if request.headers.get(gw.settings.debug_header):
         decision = gw.router.decision_header(routed)
         decision["worker"] = up.worker
+        if plan is not None:
+            decision["pd"] = plan.header()
         headers["x-kvrouter-decision"] = json.dumps(decision, separators=(",", ":"))
     gw.metrics.prompt_tokens.inc(routed.prompt_tokens)
     if up.rest is None:
@@ -283,6 +306,59 @@ async def _handle(
         media_type="text/event-stream",
         headers={**headers, "cache-control": "no-cache"},
     )
+
+
+def _plan(gw: Gateway, model: str, routed: Routed, worker: str) -> PdPlan | None:
+    """The request's prefill/decode plan (None without a planner)."""
+    if gw.pd is None or gw.pd.mode == "never":
+        return None
+    plan = gw.pd.plan(
+        gw.directory.routable(model), worker, routed.decision.predicted_ttft_s,
+        routed.prompt_tokens, routed.request.block_size, routed.matches,
+    )  # fmt: skip
+    gw.metrics.pd_requests.labels("disaggregated" if plan.disaggregate else "colocated").inc()
+    return plan
+
+
+async def _prefill_elsewhere(
+    gw: Gateway,
+    plan: PdPlan,
+    candidates: list[str],
+    path: str,
+    raw: dict[str, Any],
+    rid: str,
+    prefill_tokens: dict[str, int],
+) -> dict[str, Any] | None:
+    """Run the prefill-only request; its ``kv_transfer_params``, or None to prefill locally.
+
+    Whatever goes wrong here (no prefill worker answers, an error status, a body
+    without the parameters) the decoder computes the prompt itself: the client
+    sees one answer either way.
+    """
+    body = {k: v for k, v in raw.items() if k not in ("stream", "stream_options")}
+    body.update(kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
+    prefillers = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
+    reason = ""
+    try:
+        up = await gw.dispatcher.open(
+            prefillers, path, json.dumps(body).encode(), f"{rid}-prefill", prefill_tokens,
+            whole=True,
+        )  # fmt: skip
+    except ApiError as exc:
+        reason = "prefill_unavailable"
+        log.warning("request %s: no prefill worker answered (%s); decoding locally", rid, exc)
+    else:
+        await up.close()
+        if up.status != 200:
+            reason = f"prefill_{up.status}"
+        else:
+            with suppress(ValueError):
+                params = json.loads(up.first).get("kv_transfer_params")
+                if isinstance(params, dict) and params.get("do_remote_prefill"):
+                    return params
+            reason = "prefill_no_params"
+    gw.metrics.pd_fallbacks.labels(reason).inc()
+    return None
 
 
 def _prefill_tokens(routed: Routed) -> dict[str, int]:

@@ -75,6 +75,14 @@ class RouterMetrics:
             "redis_errors", "Redis calls that failed, by operation", ["op"],
             namespace=ns, registry=registry,
         )  # fmt: skip
+        self.pd_requests = Counter(
+            "pd_requests", "Requests by prefill/decode plan (colocated, disaggregated)",
+            ["mode"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.pd_fallbacks = Counter(
+            "pd_fallbacks", "Disaggregated requests whose decoder prefilled locally, by reason",
+            ["reason"], namespace=ns, registry=registry,
+        )  # fmt: skip
         self.auth_failures = Counter(
             "auth_failures", "Requests refused for a missing or bad API key",
             namespace=ns, registry=registry,

@@ -53,6 +53,7 @@ class Routed:
     prompt_tokens: int
     cache_aware: bool
     timings: dict[str, float] = field(default_factory=dict)
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)
 
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen worker still has to prefill."""
@@ -141,8 +142,11 @@ class Router:
         so a burst routed since the last heartbeat is seen at once.
         """
         out = []
-        for v in self.directory.routable(model):
-            if v.role is Role.DECODE:
+        routable = self.directory.routable(model)
+        # Decode-only workers take whole requests only when no other worker is left.
+        prefill_capable = any(v.role is not Role.DECODE for v in routable)
+        for v in routable:
+            if v.role is Role.DECODE and prefill_capable:
                 continue
             tracked = self.load.load(v.host)
             out.append(
@@ -207,7 +211,7 @@ class Router:
         timings["score"] = time.perf_counter() - t3
         for stage, seconds in timings.items():
             self.metrics.decision.labels(stage).observe(seconds)
-        return Routed(decision, req, len(ids), matches is not None, timings)
+        return Routed(decision, req, len(ids), matches is not None, timings, matches or {})
 
     async def _lookup(self, keys: list[int]) -> dict[str, PrefixMatch] | None:
         if self.index is None:

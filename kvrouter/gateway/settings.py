@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -45,6 +47,9 @@ class RouterSettings(BaseSettings):
     replica_id: str = Field("", description="this gateway replica's id; default random")
     debug_header: str = "x-kvrouter-debug"
     session_header: str = "x-session-id"
+    pd: Literal["never", "always", "auto"] = Field(
+        "never", description="prefill/decode disaggregation: never, always, or auto (by cost)"
+    )
     seed: int = 0
 
     @field_validator("workers", "models", "api_keys", mode="before")

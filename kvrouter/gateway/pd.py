@@ -1,0 +1,174 @@
+"""Prefill/decode disaggregation in the gateway: pools by role, and whether to split at all.
+
+Workers advertise a role (``prefill``, ``decode`` or ``both``). The routing
+policy already chose the prefill side (its views hold every worker but
+decode-only ones). :class:`PdPlanner` then picks the decode worker and decides:
+
+* ``never``: colocated, as without roles (decode-only workers take nothing);
+* ``always``: prefill on the policy's choice, decode on the decode worker,
+  whenever both pools have a worker;
+* ``auto``: compare the two plans on predicted time, from the same cost model
+  ``kv_ttft`` uses (``policies.cost_model``). Colocated on the decode worker
+  costs its own TTFT (its queue, then prefilling what it lacks beside its
+  running batch) *plus* what that prefill does to the requests decoding there:
+  every running sequence waits out the prefill compute, ``running x work``.
+  When the policy's choice decodes too (role ``both``), colocating there is a
+  third option, costed the same way. Disaggregated costs the prefill worker's
+  predicted TTFT plus moving the uncached part of the prompt's KV to the
+  decoder at its measured transfer bandwidth (else
+  :data:`DEFAULT_TRANSFER_BANDWIDTH`), plus the stall on the prefill worker's
+  own decodes (none on a prefill-only worker); it does not stall the decoder.
+  The cheapest wins.
+
+The decode worker is the decode-capable worker (role ``decode`` or ``both``,
+not the prefill worker itself) with the fewest requests in flight (heartbeat
+and this gateway's own count, the larger), ties broken by the longer cached
+prefix, then the name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from indexer.profile import TimingProfile
+from indexer.views import PrefixMatch, Role, WorkerView
+from kvrouter.gateway.load import LoadTracker
+from policies.cost_model import prefill_seconds, queue_seconds, resolve_profile, split_prompt
+
+__all__ = ["DEFAULT_TRANSFER_BANDWIDTH", "PdMode", "PdPlan", "PdPlanner"]
+
+PdMode = Literal["never", "always", "auto"]
+
+#: Bytes/s assumed for moving KV between workers until a decoder has measured its own:
+#: one 100 Gb/s RDMA NIC (12.5 GB/s), the per-NIC figure of Mooncake's transfer engine
+#: deployments (FAST'25, section 4) and of common H100 nodes' scale-out links.
+DEFAULT_TRANSFER_BANDWIDTH = 12.5e9
+
+
+@dataclass(frozen=True, slots=True)
+class PdPlan:
+    """Where one request's prefill and decode run, and why.
+
+    Attributes:
+        disaggregate: Prefill on ``prefill``, decode on ``decode``; else colocated.
+        prefill: The prefill worker (the policy's choice).
+        decode: The decode worker (None when there is none).
+        reason: ``never``, ``always``, ``no_decode_worker``, ``cheaper_local`` or
+            ``cheaper_split``.
+        predicted: The figures compared (seconds), for the decision header.
+    """
+
+    disaggregate: bool
+    prefill: str
+    decode: str | None
+    reason: str
+    predicted: dict[str, float] = field(default_factory=dict)
+
+    def header(self) -> dict[str, object]:
+        """The ``pd`` part of the decision header."""
+        return {
+            "mode": "disaggregated" if self.disaggregate else "colocated",
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "reason": self.reason,
+            "predicted_s": self.predicted,
+        }
+
+
+class PdPlanner:
+    """Chooses the decode worker and whether to disaggregate (see the module docstring)."""
+
+    def __init__(
+        self,
+        mode: PdMode,
+        load: LoadTracker,
+        default_profile: TimingProfile | None = None,
+        mean_decode_context: int = 2048,
+    ) -> None:
+        self.mode = mode
+        self.load = load
+        self.default_profile = default_profile
+        self.mean_decode_context = mean_decode_context
+
+    def decoder(
+        self, workers: Sequence[WorkerView], prefill: str, matches: Mapping[str, PrefixMatch]
+    ) -> WorkerView | None:
+        """The decode worker for a request prefilled on ``prefill`` (None if there is none)."""
+        pool = [v for v in workers if v.role in (Role.DECODE, Role.BOTH) and v.host != prefill]
+        if not pool:
+            return None
+
+        def rank(v: WorkerView) -> tuple[int, int, str]:
+            in_flight = max(v.in_flight, self.load.load(v.host).in_flight)
+            matched = matches[v.host].blocks if v.host in matches else 0
+            return (in_flight, -matched, v.host)
+
+        return min(pool, key=rank)
+
+    def plan(
+        self,
+        workers: Sequence[WorkerView],
+        prefill: str,
+        prefill_ttft_s: float | None,
+        num_tokens: int,
+        block_size: int,
+        matches: Mapping[str, PrefixMatch],
+    ) -> PdPlan:
+        """Decide one request's plan; ``prefill_ttft_s`` is the policy's prediction there."""
+        if self.mode == "never":
+            return PdPlan(False, prefill, None, "never")
+        decode = self.decoder(workers, prefill, matches)
+        if decode is None:
+            return PdPlan(False, prefill, None, "no_decode_worker")
+        if self.mode == "always":
+            return PdPlan(True, prefill, decode.host, "always")
+        # Colocated options: the whole request on the decode worker, or on the policy's
+        # choice when that one decodes too (role both).
+        options: dict[str, float] = {}
+        predicted: dict[str, float] = {}
+        by_host = {v.host: v for v in workers}
+        for label, view in (("decode", decode), ("prefill", by_host.get(prefill))):
+            if view is None or (view.role is not Role.BOTH and label == "prefill"):
+                continue
+            ttft, stall = self._local(view, num_tokens, block_size, matches)
+            predicted[f"{label}_local_ttft"] = ttft
+            predicted[f"{label}_local_decode_stall"] = stall
+            options[view.host] = ttft + stall
+        profile = resolve_profile(decode, self.default_profile)
+        cached = self._cached(decode, num_tokens, block_size, matches)
+        bandwidth = decode.transfer_bandwidth or DEFAULT_TRANSFER_BANDWIDTH
+        transfer = max(num_tokens - cached, 0) * profile.kv_bytes_per_token / bandwidth
+        # The prefill worker stalls its own decodes too (none on a prefill-only worker).
+        prefill_view = by_host.get(prefill)
+        stall = self._local(prefill_view, num_tokens, block_size, matches)[1] if prefill_view else 0
+        split = (prefill_ttft_s or 0.0) + transfer + stall
+        predicted["split_prefill_ttft"] = prefill_ttft_s or 0.0
+        predicted["split_transfer"] = transfer
+        predicted["split_decode_stall"] = stall
+        local = min(options, key=options.__getitem__)
+        if split < options[local]:
+            return PdPlan(True, prefill, decode.host, "cheaper_split", predicted)
+        return PdPlan(False, local, None, "cheaper_local", predicted)
+
+    def _cached(
+        self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
+    ) -> int:
+        match = matches.get(view.host)
+        matched = min(match.blocks, -(-num_tokens // block_size)) if match is not None else 0
+        return split_prompt(num_tokens, matched, block_size)[0]
+
+    def _local(
+        self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
+    ) -> tuple[float, float]:
+        """(TTFT, stall its prefill imposes on the running decodes) of the request on ``view``."""
+        profile = resolve_profile(view, self.default_profile)
+        cached = self._cached(view, num_tokens, block_size, matches)
+        new = num_tokens - cached
+        batch = view.running
+        kv = view.running_kv_tokens or batch * self.mean_decode_context
+        queued = max(view.queued_prefill_tokens, self.load.load(view.host).queued_tokens)
+        ttft = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
+        ttft += prefill_seconds(profile, new, cached, batch, kv)
+        return ttft, batch * profile.prefill_seconds(new, cached)

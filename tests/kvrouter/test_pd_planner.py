@@ -1,0 +1,53 @@
+"""The gateway's prefill/decode plan: which decoder, and whether splitting pays."""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from indexer.views import Role, WorkerView
+from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.pd import DEFAULT_TRANSFER_BANDWIDTH, PdPlanner
+from tests.policies.support import BLOCK, PROFILE, match, view
+
+
+def planner(mode: str = "auto") -> PdPlanner:
+    return PdPlanner(mode, LoadTracker(), PROFILE)  # type: ignore[arg-type]
+
+
+def prefill_view(host: str = "p") -> WorkerView:
+    return replace(view(host), role=Role.PREFILL)
+
+
+def decode_view(
+    host: str = "d", *, in_flight: int = 0, running: int = 0, running_kv: int = 0
+) -> WorkerView:
+    busy = view(host, in_flight=in_flight, running=running, running_kv=running_kv)
+    return replace(busy, role=Role.DECODE)
+
+
+def test_the_decoder_is_the_least_loaded_then_the_one_holding_more_of_the_prompt() -> None:
+    workers = [prefill_view(), decode_view("d1", in_flight=3), decode_view("d2"), decode_view("d3")]
+    plan = planner("always").plan(workers, "p", 0.1, 4096, BLOCK, {"d3": match("d3", hbm=100)})
+    assert (plan.disaggregate, plan.decode) == (True, "d3")
+    assert planner("never").plan(workers, "p", 0.1, 4096, BLOCK, {}).disaggregate is False
+    alone = planner("always").plan([prefill_view()], "p", 0.1, 4096, BLOCK, {})
+    assert (alone.disaggregate, alone.reason) == (False, "no_decode_worker")
+
+
+def test_auto_splits_when_local_prefill_would_stall_a_busy_decoder() -> None:
+    prompt = 16_384
+    split_ttft = PROFILE.prefill_seconds(prompt)
+    transfer = prompt * PROFILE.kv_bytes_per_token / DEFAULT_TRANSFER_BANDWIDTH
+    # An idle decoder: computing locally costs its own prefill, no stall; splitting adds
+    # the transfer on top of the same prefill, so it stays local.
+    idle = planner().plan([prefill_view(), decode_view()], "p", split_ttft, prompt, BLOCK, {})
+    assert (idle.disaggregate, idle.reason, idle.prefill) == (False, "cheaper_local", "d")
+    assert idle.predicted["split_transfer"] > 0
+    # 64 sequences decoding there: each would wait out the 16K-token prefill.
+    busy = decode_view(running=64, running_kv=64 * 2048)
+    plan = planner().plan([prefill_view(), busy], "p", split_ttft, prompt, BLOCK, {})
+    assert (plan.disaggregate, plan.reason, plan.decode) == (True, "cheaper_split", "d")
+    stall = plan.predicted["decode_local_decode_stall"]
+    assert stall == 64 * PROFILE.prefill_seconds(prompt)
+    assert plan.predicted["split_transfer"] == transfer
+    assert plan.header()["mode"] == "disaggregated"
