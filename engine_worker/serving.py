@@ -37,7 +37,7 @@ from engine_worker.request import FinishReason, Request, SamplingParams
 from engine_worker.scheduler import RequestTooLargeError
 from engine_worker.worker import Worker
 from indexer.keys import block_keys
-from indexer.media import MEDIA
+from indexer.media import MEDIA, Medium
 
 __all__ = ["Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
 
@@ -202,6 +202,7 @@ class Generation:
     is_disconnected: Callable[[], Any] | None = None
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
+    pulled_tokens: int = 0
     _done: bool = False
 
     def prompt_keys(self) -> list[int]:
@@ -219,7 +220,8 @@ class Generation:
         while run < min(len(own), len(pd.block_keys)) and own[run] == pd.block_keys[run]:
             run += 1
         try:
-            await self.worker.puller.pull(pd.source, own[:run], release=pd.lease)
+            result = await self.worker.puller.pull(pd.source, own[:run], release=pd.lease)
+            self.pulled_tokens = result.pulled * self.worker.block_size
         except TransferError as exc:
             log.warning(
                 "request %s: KV pull from %s failed (%s); computing the prompt here",
@@ -251,12 +253,18 @@ class Generation:
         """Token counts so far (final once the stream ended)."""
         n = len(self.prep.prompt_ids)
         cached = sum(self.cached.values())
+        by_medium = dict(self.cached)
+        # Blocks pulled from a peer for this request were hit in HBM: report them as remote.
+        remote = min(self.pulled_tokens, by_medium.get(Medium.HBM.value, 0))
+        if remote:
+            by_medium[Medium.HBM.value] -= remote
+            by_medium["remote"] = remote
         return Usage(
             prompt_tokens=n,
             completion_tokens=self.completion_tokens,
             total_tokens=n + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-            cached_tokens_by_medium=dict(self.cached),
+            cached_tokens_by_medium=by_medium,
         )
 
     async def deltas(self) -> AsyncIterator[Delta]:

@@ -23,10 +23,12 @@ from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, WorkerView
 
 __all__ = [
+    "DEFAULT_TRANSFER_BANDWIDTH",
     "decode_batch",
     "load_seconds",
     "memory_wait_seconds",
     "prefill_seconds",
+    "pull_seconds",
     "queue_seconds",
     "resolve_profile",
     "split_prompt",
@@ -170,6 +172,23 @@ def prefill_seconds(
         total += profile.step_seconds([(n, cached_tokens + done)], decode_batch, decode_kv_tokens)
         done += n
     return total
+
+
+#: Bytes/s assumed for moving KV between workers until a worker has measured its own
+#: pulls: one 100 Gb/s RDMA NIC (12.5 GB/s), the per-NIC link of Mooncake's transfer
+#: engine deployments (FAST'25, section 4) and of common H100 nodes' scale-out networks.
+DEFAULT_TRANSFER_BANDWIDTH = 12.5e9
+
+
+def pull_seconds(view: WorkerView, profile: TimingProfile, tokens: int) -> float:
+    """Time for ``view``'s worker to pull ``tokens`` tokens of KV from a peer.
+
+    At the worker's measured transfer bandwidth, else :data:`DEFAULT_TRANSFER_BANDWIDTH`.
+    """
+    if tokens <= 0:
+        return 0.0
+    bandwidth = view.transfer_bandwidth or DEFAULT_TRANSFER_BANDWIDTH
+    return tokens * profile.kv_bytes_per_token / bandwidth
 
 
 def load_seconds(

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from indexer.media import Medium
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, WorkerView
 from policies.arrivals import RouteRates
@@ -78,6 +79,7 @@ from policies.cost_model import (
     load_seconds,
     memory_wait_seconds,
     prefill_seconds,
+    pull_seconds,
     queue_seconds,
     resolve_profile,
     split_prompt,
@@ -113,6 +115,10 @@ class KvTtftPolicy:
             would spend, the whole work only to those bound to the worker by its cache
             (see the module docstring). False charges the whole work to every request
             routed behind it, as the first version did (kept to compare the two).
+        pooling: Price pulling a longer cached prefix from a peer as one more source
+            next to the worker's own tiers; the decision then names the peer
+            (``kv_source``). Off by default: only a gateway that performs the pull
+            (``--pooling``) turns it on.
     """
 
     name = "kv_ttft"
@@ -129,6 +135,7 @@ class KvTtftPolicy:
         externality_weight: float = 2.0,
         busy_period: bool = True,
         excess_work: bool = True,
+        pooling: bool = False,
     ) -> None:
         if mean_decode_context < 0:
             raise ValueError(f"mean_decode_context must be >= 0, got {mean_decode_context}")
@@ -147,6 +154,7 @@ class KvTtftPolicy:
         self.switching = RouteRates()
         self.busy_period = busy_period
         self.excess_work = excess_work
+        self.pooling = pooling
         self._busy = 0.0
 
     def choose(
@@ -177,6 +185,7 @@ class KvTtftPolicy:
         scores: dict[str, dict[str, float]] = {}
         rank: dict[str, tuple[float, int, str]] = {}
         blocks: dict[str, tuple[int, int]] = {}
+        sources: dict[str, str] = {}
         for view in workers:
             profile = resolve_profile(view, self.default_profile)
             match = self.speculation.merge(view.host, keys, matches.get(view.host))
@@ -185,6 +194,11 @@ class KvTtftPolicy:
             spec_tokens, spec_requests = (
                 self.speculation.pending(view, now) if self.speculative_load else (0, 0)
             )
+            pulled = 0
+            if self.pooling:
+                source, source_blocks = self._peer(view.host, keys, matches)
+                if source_blocks > matched:
+                    pulled = source_blocks - matched
             batch, kv = decode_batch(view, self.mean_decode_context)
             queue = queue_seconds(
                 profile,
@@ -200,12 +214,32 @@ class KvTtftPolicy:
             prefill = prefill_seconds(profile, new, cached, batch, kv)
             ttft = wait + load + prefill
             work = load + profile.prefill_seconds(new, cached)
+            pull = 0.0
+            if pulled:
+                # The peer's longer prefix as one more source: its blocks cross the network
+                # instead of being computed; they need HBM all the same.
+                pooled_cached, pooled_new = split_prompt(
+                    request.num_tokens, matched + pulled, request.block_size
+                )
+                pull = pull_seconds(view, profile, pulled * request.block_size)
+                pooled_memory = memory_wait_seconds(view, profile, new, request.block_size, output)
+                pooled_prefill = prefill_seconds(profile, pooled_new, pooled_cached, batch, kv)
+                pooled = max(queue, pooled_memory) + load + pull + pooled_prefill
+                if pooled < ttft:
+                    sources[view.host] = source
+                    cached, new, prefill, ttft = pooled_cached, pooled_new, pooled_prefill, pooled
+                    wait = max(queue, pooled_memory)
+                    work = load + profile.prefill_seconds(new, cached)
+                else:
+                    pulled, pull = 0, 0.0
             in_flight = view.in_flight + spec_requests
             scores[view.host] = {
                 "wait_s": wait,
                 "queue_s": queue,
                 "memory_wait_s": memory,
                 "load_s": load,
+                "pull_s": pull,
+                "pulled_blocks": float(pulled),
                 "prefill_s": prefill,
                 "cached_tokens": float(cached),
                 "speculative_tokens": float(spec_tokens),
@@ -213,7 +247,7 @@ class KvTtftPolicy:
                 "ttft_s": ttft,
                 "work_s": work,
             }
-            blocks[view.host] = (matched, new)
+            blocks[view.host] = (matched + pulled, new)
         # The compute this request adds delays those routed behind it on this worker,
         # (routing rate x the time until this prefill ends) requests stretched by the busy
         # period: by the excess over the least work any worker would spend, or by the whole
@@ -250,4 +284,21 @@ class KvTtftPolicy:
             scores=scores,
             predicted_ttft_s=scores[best]["ttft_s"],
             matched_blocks=matched,
+            kv_source=sources.get(best),
         )
+
+    @staticmethod
+    def _peer(
+        host: str, keys: Sequence[int], matches: Mapping[str, PrefixMatch]
+    ) -> tuple[str, int]:
+        """The other worker indexed as holding the longest prefix of ``keys``, and its blocks.
+
+        Only its HBM and DRAM blocks count: a peer serves SSD blocks too, but reading them
+        is slower than the network, so they are left to recompute.
+        """
+        best, most = "", 0
+        for peer, m in matches.items():
+            n = min(m.on(Medium.HBM) + m.on(Medium.DRAM), m.blocks, len(keys))
+            if peer != host and (n > most or (n == most and peer < best)):
+                best, most = peer, n
+        return best, most

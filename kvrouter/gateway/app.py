@@ -137,7 +137,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
                 settings.policy,
                 settings.seed,
                 **(
-                    {"speculative_ttl_s": settings.speculative_ttl_s}
+                    {"speculative_ttl_s": settings.speculative_ttl_s, "pooling": settings.pooling}
                     if settings.policy == "kv_ttft"
                     else {}
                 ),
@@ -269,6 +269,8 @@ async def _handle(
             candidates = [plan.decode, *others]
         elif plan is not None and plan.prefill != worker:
             candidates = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
+        elif worker == routed.decision.worker and (pool := _pool_params(gw, routed)):
+            raw["kv_transfer_params"] = pool
         up = await gw.dispatcher.open(
             candidates, path, json.dumps(raw).encode(), rid, prefill_tokens,
             whole=not body.stream,
@@ -359,6 +361,24 @@ async def _prefill_elsewhere(
             reason = "prefill_no_params"
     gw.metrics.pd_fallbacks.labels(reason).inc()
     return None
+
+
+def _pool_params(gw: Gateway, routed: Routed) -> dict[str, Any] | None:
+    """``kv_transfer_params`` that make the chosen worker pull the policy's ``kv_source``."""
+    source = routed.decision.kv_source
+    view = gw.directory.views.get(source) if source else None
+    if view is None or not view.url:
+        return None
+    url = httpx.URL(view.url)
+    keys = list(routed.request.block_keys[: routed.decision.matched_blocks])
+    gw.metrics.pooled_pulls.inc()
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": source,
+        "remote_host": url.host,
+        "remote_port": url.port or (443 if url.scheme == "https" else 80),
+        "remote_block_ids": keys,
+    }
 
 
 def _prefill_tokens(routed: Routed) -> dict[str, int]:

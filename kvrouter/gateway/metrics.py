@@ -83,6 +83,10 @@ class RouterMetrics:
             "pd_fallbacks", "Disaggregated requests whose decoder prefilled locally, by reason",
             ["reason"], namespace=ns, registry=registry,
         )  # fmt: skip
+        self.pooled_pulls = Counter(
+            "pooled_pulls", "Requests sent with a peer to pull a longer cached prefix from",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
         self.auth_failures = Counter(
             "auth_failures", "Requests refused for a missing or bad API key",
             namespace=ns, registry=registry,

@@ -35,16 +35,18 @@ from typing import Literal
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.load import LoadTracker
-from policies.cost_model import prefill_seconds, queue_seconds, resolve_profile, split_prompt
+from policies.cost_model import (
+    DEFAULT_TRANSFER_BANDWIDTH,
+    prefill_seconds,
+    pull_seconds,
+    queue_seconds,
+    resolve_profile,
+    split_prompt,
+)
 
 __all__ = ["DEFAULT_TRANSFER_BANDWIDTH", "PdMode", "PdPlan", "PdPlanner"]
 
 PdMode = Literal["never", "always", "auto"]
-
-#: Bytes/s assumed for moving KV between workers until a decoder has measured its own:
-#: one 100 Gb/s RDMA NIC (12.5 GB/s), the per-NIC figure of Mooncake's transfer engine
-#: deployments (FAST'25, section 4) and of common H100 nodes' scale-out links.
-DEFAULT_TRANSFER_BANDWIDTH = 12.5e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +140,7 @@ class PdPlanner:
             options[view.host] = ttft + stall
         profile = resolve_profile(decode, self.default_profile)
         cached = self._cached(decode, num_tokens, block_size, matches)
-        bandwidth = decode.transfer_bandwidth or DEFAULT_TRANSFER_BANDWIDTH
-        transfer = max(num_tokens - cached, 0) * profile.kv_bytes_per_token / bandwidth
+        transfer = pull_seconds(decode, profile, max(num_tokens - cached, 0))
         # The prefill worker stalls its own decodes too (none on a prefill-only worker).
         prefill_view = by_host.get(prefill)
         stall = self._local(prefill_view, num_tokens, block_size, matches)[1] if prefill_view else 0

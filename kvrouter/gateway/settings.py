@@ -50,6 +50,9 @@ class RouterSettings(BaseSettings):
     pd: Literal["never", "always", "auto"] = Field(
         "never", description="prefill/decode disaggregation: never, always, or auto (by cost)"
     )
+    pooling: bool = Field(
+        False, description="kv_ttft: pull a longer cached prefix from a peer when that is faster"
+    )
     seed: int = 0
 
     @field_validator("workers", "models", "api_keys", mode="before")

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from msgspec.structs import replace
 
 from indexer.media import Medium
 from indexer.views import WorkerView
 from policies.base import NoWorkerError
+from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import (
     BLOCK,
@@ -328,3 +330,27 @@ def test_a_huge_prompt_cached_nowhere_is_not_pushed_onto_a_backlogged_worker() -
     assert route(policy) == "steady"
     decision = policy.choose(request(prompt, now=50.01), workers, {})
     assert decision.scores["steady"]["externality_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_pooling_pulls_a_busy_peers_prefix_instead_of_waiting_or_recomputing() -> None:
+    # "holder" has the first 16K tokens of the prompt in HBM but 40K tokens queued;
+    # "idle" has nothing. Pulling 16K tokens of Llama-3-8B KV (2 GiB) at 12.5 GB/s takes
+    # ~0.17 s, computing them ~1 s, waiting for the holder's queue ~1 s.
+    prompt = tokens(16_384 + 256, seed=33)
+    held = 16_384 // BLOCK
+    workers = [view("holder", queued=40_000), view("idle")]
+    matches = {"holder": match("holder", hbm=held)}
+    plain = KvTtftPolicy().choose(request(prompt), workers, matches)
+    assert plain.kv_source is None
+    pooled = KvTtftPolicy(pooling=True).choose(request(prompt), workers, matches)
+    assert (pooled.worker, pooled.kv_source) == ("idle", "holder")
+    idle = pooled.scores["idle"]
+    pull = 16_384 * PROFILE.kv_bytes_per_token / DEFAULT_TRANSFER_BANDWIDTH
+    assert idle["pull_s"] == pytest.approx(pull)
+    assert idle["pulled_blocks"] == held
+    assert pooled.matched_blocks == held
+    assert pooled.predicted_ttft_s is not None
+    assert pooled.predicted_ttft_s < min(s["ttft_s"] for s in plain.scores.values())
+    # A worker that measured a slow network pulls only when it still pays.
+    slow = [view("holder", queued=40_000), replace(view("idle"), transfer_bandwidth=1e8)]
+    assert KvTtftPolicy(pooling=True).choose(request(prompt), slow, matches).kv_source is None
