@@ -281,9 +281,7 @@ class Worker:
     async def hold_blocks(self, lease_id: str, keys: Sequence[int]) -> list[int]:
         """Hold the leading HBM run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
         ttl = self.settings.lease_ttl_s
-        held = await self.engine.acall(lambda s: self.leases.hold(s, lease_id, keys, ttl))
-        self.metrics.leases.set(len(self.leases))
-        return held
+        return await self.engine.acall(lambda s: self.leases.hold(s, lease_id, keys, ttl))
 
     async def _expire_leases(self) -> None:
         period = min(1.0, self.settings.lease_ttl_s / 4)
@@ -295,7 +293,6 @@ class Worker:
             if expired:
                 self.metrics.leases_expired.inc(expired)
                 log.info("worker %s: %d block leases expired unclaimed", self.name, expired)
-            self.metrics.leases.set(len(self.leases))
 
     # -- state for heartbeats and metrics ------------------------------------------------------
 
@@ -367,6 +364,7 @@ class Worker:
             m.load_bandwidth.labels(med.value).set(bw)
         if (transfer := self.puller.bandwidth) is not None:
             m.transfer_bandwidth.set(transfer)
+        m.leases.set(len(self.leases))
         for kind, counts in (
             ("demotion", st.moves.demotions),
             ("promotion", st.moves.promotions),
