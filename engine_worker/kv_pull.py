@@ -2,7 +2,9 @@
 
 :class:`KvPuller` asks its own pool how much of a run of keys it holds
 already, requests the rest from the source worker's ``POST /kv/blocks`` in
-windows of at most :data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS`,
+windows of at most :data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS`
+over the source's KV data socket (:mod:`engine_worker.kv_socket`; HTTP when
+it has none),
 validates each window in full (:func:`~engine_worker.kv_transfer.read_transfer`)
 and only then imports it on the engine thread. A failure leaves the blocks
 imported so far (each a valid prefix) and raises
@@ -23,9 +25,12 @@ import httpx
 
 from engine_worker.block_pool import BlockPool
 from engine_worker.engine import EngineLoop
+from engine_worker.kv_socket import fetch_blocks
 from engine_worker.kv_transfer import (
     MAX_TRANSFER_BLOCKS,
+    Expected,
     TransferError,
+    TransferHeader,
     expected_for,
     import_blocks,
     read_transfer,
@@ -80,8 +85,11 @@ class KvPuller:
         self.block_size = block_size
         self.metrics = metrics
         self.stat = TransferStat()
+        self._token = token
+        self._timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._ports: dict[str, int | None] = {}
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
@@ -137,12 +145,55 @@ class KvPuller:
             self.metrics.transfer_blocks.labels("received").inc(pulled)
         return PullResult(len(keys), present, pulled, received, seconds)
 
+    async def _data_port(self, source_url: str) -> int | None:
+        """The source's KV data port (cached); None when it has none (HTTP only)."""
+        if source_url in self._ports:
+            return self._ports[source_url]
+        port: int | None = None
+        try:
+            r = await self._client.get(
+                f"{source_url.rstrip('/')}/kv/endpoint", headers=self._headers, timeout=5.0
+            )
+            if r.status_code == 200:
+                value = r.json().get("port")
+                port = value if isinstance(value, int) and 0 < value < 65536 else None
+            elif r.status_code in (401, 403):
+                raise TransferError("auth", f"{source_url} refused the internal token")
+        except (httpx.HTTPError, ValueError) as exc:
+            raise TransferError("http", f"{source_url}/kv/endpoint: {exc!r}") from exc
+        if len(self._ports) < 1024:
+            self._ports[source_url] = port
+        return port
+
     async def _window(
         self, source_url: str, keys: list[int], release: str | None
     ) -> tuple[int, int]:
         """Pull one window; returns (blocks imported, bytes received)."""
         layout = self.storage.layout if self.storage is not None else None
         expected = expected_for(self.model, self.block_size, layout, keys)
+        port = await self._data_port(source_url)
+        if port is not None:
+            counter = [0]
+            header, blocks = await fetch_blocks(
+                httpx.URL(source_url).host, port, self._token, keys, release, expected,
+                self._timeout_s, on_bytes=counter.append,
+            )  # fmt: skip
+            received = counter[-1]
+        else:
+            header, blocks, received = await self._http_window(source_url, keys, release, expected)
+        if not header.keys:
+            return 0, received
+        storage = self.storage
+
+        def put(pool: BlockPool) -> int:
+            return import_blocks(pool, storage, header.parent, header.keys, blocks)
+
+        return await self._on_pool(put), received
+
+    async def _http_window(
+        self, source_url: str, keys: list[int], release: str | None, expected: Expected
+    ) -> tuple[TransferHeader, list[bytes], int]:
+        """One window over ``POST /kv/blocks`` (a source without a data port)."""
         received = 0
         url = f"{source_url.rstrip('/')}/kv/blocks"
         try:
@@ -163,11 +214,4 @@ class KvPuller:
                 header, blocks = await read_transfer(counted(), expected)
         except httpx.HTTPError as exc:
             raise TransferError("http", f"{url}: {exc!r}") from exc
-        if not header.keys:
-            return 0, received
-        storage = self.storage
-
-        def put(pool: BlockPool) -> int:
-            return import_blocks(pool, storage, header.parent, header.keys, blocks)
-
-        return await self._on_pool(put), received
+        return header, blocks, received

@@ -35,13 +35,13 @@ metadata, as the simulated pool needs.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import xxhash
 
 from engine_worker.block_pool import BlockPool
@@ -157,11 +157,7 @@ def export_blocks(
     blocks = pool.match_prefix(keys)
     datas: list[bytes] = []
     for block in blocks:
-        if storage is None:
-            datas.append(b"")
-        else:
-            tensor = storage.read_block(block.medium, block.block_id)
-            datas.append(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        datas.append(b"" if storage is None else storage.read_bytes(block.medium, block.block_id))
     header = TransferHeader(
         model=model,
         block_size=block_size,
@@ -176,47 +172,81 @@ def export_blocks(
 
 
 class _Reader:
-    """Exact-size reads over an async stream of chunks."""
+    """Exact-size reads over an async stream of chunks (one copy per read)."""
 
     def __init__(self, chunks: AsyncIterator[bytes]) -> None:
         self._chunks = chunks
         self._buffer = bytearray()
+        self._pos = 0
         self._done = False
 
-    async def read(self, n: int, what: str) -> bytes:
-        while len(self._buffer) < n and not self._done:
+    async def _fill(self, n: int) -> None:
+        while len(self._buffer) - self._pos < n and not self._done:
             try:
-                self._buffer += await anext(self._chunks)
+                chunk = await anext(self._chunks)
             except StopAsyncIteration:
                 self._done = True
-        if len(self._buffer) < n:
-            raise TransferError(
-                "truncated", f"stream ended {n - len(self._buffer)} bytes short in the {what}"
-            )
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
+                break
+            if self._pos and self._pos >= len(self._buffer) // 2:
+                del self._buffer[: self._pos]
+                self._pos = 0
+            self._buffer += chunk
+
+    async def read(self, n: int, what: str) -> bytes:
+        await self._fill(n)
+        have = len(self._buffer) - self._pos
+        if have < n:
+            raise TransferError("truncated", f"stream ended {n - have} bytes short in the {what}")
+        out = bytes(memoryview(self._buffer)[self._pos : self._pos + n])
+        self._pos += n
         return out
 
     async def at_end(self) -> bool:
-        while not self._buffer and not self._done:
-            try:
-                self._buffer += await anext(self._chunks)
-            except StopAsyncIteration:
-                self._done = True
-        return not self._buffer
+        await self._fill(1)
+        return len(self._buffer) == self._pos
+
+
+class _StreamReader:
+    """Exact-size reads over an asyncio stream (the raw TCP data path), after ``head``."""
+
+    def __init__(self, stream: asyncio.StreamReader, head: bytes = b"") -> None:
+        self._stream = stream
+        self._head = head
+        self.consumed = 0
+
+    async def read(self, n: int, what: str) -> bytes:
+        self.consumed += n
+        take, self._head = self._head[:n], self._head[n:]
+        try:
+            return take + await self._stream.readexactly(n - len(take)) if n > len(take) else take
+        except asyncio.IncompleteReadError as exc:
+            missing = n - len(exc.partial)
+            raise TransferError(
+                "truncated", f"stream ended {missing} bytes short in the {what}"
+            ) from None
+
+    async def at_end(self) -> bool:
+        return await self._stream.read(1) == b""
 
 
 async def read_transfer(
-    chunks: AsyncIterator[bytes], expected: Expected
+    source: AsyncIterator[bytes] | asyncio.StreamReader, expected: Expected, head: bytes = b""
 ) -> tuple[TransferHeader, list[bytes]]:
     """Read and validate one transfer; nothing is returned unless all of it is valid.
+
+    ``source`` is an HTTP body's chunks or a socket's stream (whose first bytes,
+    already read, are ``head``).
 
     Raises:
         TransferError: ``reason`` one of ``magic``, ``header``, ``model``, ``block_size``,
             ``dtype``, ``shape``, ``count``, ``keys``, ``truncated``, ``trailing``,
             ``checksum``.
     """
-    reader = _Reader(chunks)
+    reader: _Reader | _StreamReader
+    if isinstance(source, asyncio.StreamReader):
+        reader = _StreamReader(source, head)
+    else:
+        reader = _Reader(source)
     magic, length = _PREFIX.unpack(await reader.read(_PREFIX.size, "prefix"))
     if magic != MAGIC:
         raise TransferError("magic", f"not a KV transfer (magic {magic!r})")
@@ -294,9 +324,7 @@ def import_blocks(
         fresh = pool.allocate(min(len(todo), pool.num_free(Medium.HBM)))
         for block, (key, block_parent, data) in zip(fresh, todo, strict=False):
             if storage is not None:
-                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                tensor = raw.view(storage.dtype).reshape(storage.layout.block_shape)
-                storage.write_block(Medium.HBM, block.block_id, tensor)
+                storage.write_bytes(Medium.HBM, block.block_id, data)
             pool.cache_block(block, key, block_parent)
     finally:
         pool.free(fresh[::-1])

@@ -219,6 +219,11 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
 
         return StreamingResponse(stream(), media_type="application/octet-stream")
 
+    @app.get("/kv/endpoint", dependencies=[internal])
+    async def kv_endpoint(worker: WorkerDep) -> dict[str, Any]:
+        """Where this worker serves KV transfers over a plain socket."""
+        return {"port": worker.kv_server.port}
+
     @app.post("/kv/pull", dependencies=[internal])
     async def kv_pull(body: PullBody, worker: WorkerDep) -> dict[str, Any]:
         """Pull the run ``keys`` from the worker at ``source`` into this worker's pool."""

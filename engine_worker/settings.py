@@ -54,6 +54,7 @@ class WorkerSettings(BaseSettings):
     event_drop_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault hook: drop batches")
     internal_token: SecretStr | None = Field(None, description="required on /kv/* endpoints")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    kv_port: int = Field(0, ge=0, le=65535, description="KV data socket port (0: any free)")
     lease_ttl_s: float = Field(30.0, gt=0, description="PD: how long prefilled blocks wait")
     seed: int = 0
 

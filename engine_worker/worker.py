@@ -22,6 +22,7 @@ from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, StepRecord
 from engine_worker.kv_pull import KvPuller
+from engine_worker.kv_socket import KvSocketServer
 from engine_worker.kv_transfer import TransferHeader, export_blocks
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
@@ -106,6 +107,12 @@ class Worker:
             token=token.get_secret_value() if token is not None else None,
         )
         self.leases = Leases()
+        self.kv_server = KvSocketServer(
+            self.export_blocks,
+            token.get_secret_value() if token is not None else None,
+            settings.bind,
+            settings.kv_port,
+        )
         self._lease_task: asyncio.Task[None] | None = None
         self._published = (0, 0, 0)
         self._registered = False
@@ -234,6 +241,7 @@ class Worker:
             # The first message of every epoch is a snapshot (SSD blocks restored at start).
             self.engine.request_snapshot()
         self.engine.start()
+        await self.kv_server.start()
         self._lease_task = asyncio.create_task(self._expire_leases(), name="lease-expiry")
         self._refresh_state(self.scheduler)
         if self.presence is not None:
@@ -243,6 +251,7 @@ class Worker:
         """Stop serving: heartbeat first (routers drop us), then the engine, then publishing."""
         if self.presence is not None:
             await self.presence.stop()
+        await self.kv_server.stop()
         if self._lease_task is not None:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

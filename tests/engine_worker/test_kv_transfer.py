@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -10,17 +12,19 @@ import torch
 
 from engine_worker.block_pool import BlockPool, TierCapacity
 from engine_worker.kv_layout import KVLayout
+from engine_worker.kv_socket import KvSocketServer, fetch_blocks
 from engine_worker.kv_transfer import (
     MAGIC,
     TransferError,
     TransferHeader,
+    checksum,
     encode_transfer,
     expected_for,
     export_blocks,
     import_blocks,
     read_transfer,
 )
-from engine_worker.tiers import TierStorage
+from engine_worker.tiers import TierError, TierStorage
 from indexer.events import BlockStored
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
@@ -171,3 +175,54 @@ async def test_the_receiver_checks_its_own_layout_not_the_senders_claim() -> Non
     bare = export_blocks(pool, None, "m", 4, KEYS)[0]
     assert bare.keys == []
     assert bare.dtype == "none"
+
+
+def test_block_bytes_round_trip_on_every_medium(tmp_path: Path) -> None:
+    capacity = TierCapacity(hbm=4, dram=4, ssd=4)
+    storage = TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd")
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for medium in (Medium.HBM, Medium.DRAM, Medium.SSD):
+            block = torch.randn(LAYOUT.block_shape, generator=gen).to(storage.dtype)
+            storage.write_block(medium, 2, block)
+            data = storage.read_bytes(medium, 2)
+            assert len(data) == LAYOUT.block_bytes
+            storage.write_bytes(medium, 1, data)
+            assert torch.equal(storage.read_block(medium, 1), block)
+        with pytest.raises(TierError, match="bytes"):
+            storage.write_bytes(Medium.HBM, 0, b"short")
+    finally:
+        storage.close()
+
+
+async def test_the_data_socket_serves_transfers_and_refuses_bad_tokens_and_requests() -> None:
+    storage, pool = storage_and_pool()
+    fill(pool, storage, KEYS)
+
+    async def export(
+        keys: Sequence[int], release: str | None
+    ) -> tuple[TransferHeader, list[bytes]]:
+        return export_blocks(pool, storage, "m", LAYOUT.block_size, keys)
+
+    server = KvSocketServer(export, "secret", "127.0.0.1")
+    await server.start()
+    port = server.port
+    try:
+        header, blocks = await fetch_blocks("127.0.0.1", port, "secret", KEYS, None, EXPECTED, 10.0)
+        assert header.keys == KEYS
+        assert [checksum(b) for b in blocks] == header.checksums
+        with pytest.raises(TransferError) as caught:
+            await fetch_blocks("127.0.0.1", port, "wrong", KEYS, None, EXPECTED, 10.0)
+        assert caught.value.reason == "auth"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"KVE1")
+        assert b"not a KV transfer request" in answer
+    finally:
+        await server.stop()
+    with pytest.raises(TransferError) as gone:
+        await fetch_blocks("127.0.0.1", port, "secret", KEYS, None, EXPECTED, 2.0)
+    assert gone.value.reason == "http"

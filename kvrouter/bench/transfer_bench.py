@@ -1,0 +1,151 @@
+"""KV transfer throughput between two workers against a raw loopback socket copy.
+
+Two real workers (``kvrouter worker``, torch runner, SmolLM2-135M's KV geometry:
+30 layers x 3 KV heads x 64 dims, float32, 737 KB per 16-token block) on this
+machine. Worker A prefills ``--rounds`` distinct prompts of ``--prompt-tokens``
+tokens; for each, worker B pulls the prompt's blocks from A (``POST /kv/pull``:
+A copies them out between two engine steps, streams header + blocks over HTTP,
+B validates model, layout, keys and every xxh3 checksum, then writes them into
+its HBM tensor and caches them). Right after each pull the same number of bytes
+is copied through a plain loopback TCP socket (a sender thread writing one
+buffer, the receiver reading into a preallocated buffer): the ceiling of any
+transfer over loopback on this machine, measured side by side. The figure is
+the ratio of the two throughputs per round (median over rounds).
+
+    python -m kvrouter.bench.transfer_bench --rounds 5 --prompt-tokens 2048
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvrouter.embedded_redis import free_port
+
+__all__ = ["main", "raw_copy_seconds"]
+
+VOCAB = 49_152
+
+
+def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
+    """Seconds to move ``num_bytes`` through a loopback TCP connection (send + receive)."""
+    payload = memoryview(bytes(num_bytes))
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(payload)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    sink = bytearray(num_bytes)
+    view = memoryview(sink)
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        start = time.perf_counter()
+        got = 0
+        while got < num_bytes:
+            n = client.recv_into(view[got:], min(chunk, num_bytes - got))
+            if n == 0:
+                raise RuntimeError("raw copy: connection closed early")
+            got += n
+        seconds = time.perf_counter() - start
+    thread.join()
+    server.close()
+    return seconds
+
+
+def _start(name: str, port: int, log_dir: Path, blocks: int) -> subprocess.Popen[bytes]:
+    args = [
+        sys.executable, "-m", "kvrouter", "worker", "--model", "smollm2", "--runner", "torch",
+        "--port", str(port), "--name", name, "--hbm-blocks", str(blocks), "--dram-blocks", "0",
+        "--max-model-len", str(min(8192, blocks * 16)), "--max-num-batched-tokens", "2048",
+    ]  # fmt: skip
+    log = (log_dir / f"{name}.log").open("wb")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"worker at {url} did not start")
+
+
+def main(
+    rounds: Annotated[int, typer.Option(min=1, help="Prompts pulled (one ratio each)")] = 5,
+    prompt_tokens: Annotated[int, typer.Option(min=16, help="Tokens per prompt")] = 2048,
+    seed: Annotated[int, typer.Option(help="Prompt seed")] = 0,
+) -> None:
+    """Measure and print the transfer / raw loopback throughput ratio."""
+    from indexer.keys import block_keys, root_parent
+
+    console = Console()
+    rng = random.Random(seed)
+    blocks = rounds * (prompt_tokens // 16 + 2) + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        ports = free_port(), free_port()
+        procs = [_start(n, p, Path(tmp), blocks) for n, p in zip("ab", ports, strict=True)]
+        a, b = (f"http://127.0.0.1:{p}" for p in ports)
+        try:
+            for url, proc in zip((a, b), procs, strict=True):
+                _wait(url, proc)
+            model = httpx.get(f"{a}/v1/models", timeout=10).json()["data"][0]["id"]
+            rows = []
+            for i in range(rounds):
+                prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
+                body = {"model": model, "prompt": prompt, "max_tokens": 1}
+                r = httpx.post(f"{a}/v1/completions", json=body, timeout=600)
+                r.raise_for_status()
+                keys = block_keys(prompt, 16, root_parent(model))
+                pull = httpx.post(
+                    f"{b}/kv/pull", json={"source": a, "keys": keys}, timeout=600
+                ).json()
+                if pull["pulled"] != len(keys):
+                    raise RuntimeError(f"round {i}: pulled {pull['pulled']} of {len(keys)}")
+                raw = raw_copy_seconds(pull["bytes"])
+                rows.append((pull["pulled"], pull["bytes"], pull["seconds"], raw))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(30)
+    table = Table(title="KV transfer between workers vs a raw loopback socket copy")
+    for col in ("round", "blocks", "MB", "pull GB/s", "raw GB/s", "pull / raw"):
+        table.add_column(col, justify="right")
+    ratios = []
+    for i, (n, size, pull_s, raw_s) in enumerate(rows):
+        ratios.append(raw_s / pull_s)
+        table.add_row(
+            str(i), str(n), f"{size / 1e6:,.1f}", f"{size / pull_s / 1e9:.2f}",
+            f"{size / raw_s / 1e9:.2f}", f"{raw_s / pull_s:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"median pull / raw throughput: {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    typer.run(main)
