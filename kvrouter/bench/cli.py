@@ -200,6 +200,14 @@ def sim(
     max_model_len: Annotated[int | None, typer.Option(help="Context [trace's max].")] = None,
     event_delay_ms: Annotated[float, typer.Option(help="Event-to-index delay.")] = 10.0,
     view_interval_ms: Annotated[float, typer.Option(help="Heartbeat period (0: exact).")] = 0.0,
+    prefill_workers: Annotated[int, typer.Option(help="Prefill-only workers (PD).")] = 0,
+    decode_workers: Annotated[int, typer.Option(help="Decode-only workers (PD).")] = 0,
+    pd: Annotated[str, typer.Option(help="Prefill/decode split: never | always | auto.")] = (
+        "never"
+    ),
+    transfer_gbps: Annotated[
+        float, typer.Option(help="KV transfer bandwidth between workers, GB/s.")
+    ] = 12.5,
     seed: Annotated[int, typer.Option(help="Seed of the policies and epochs.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
@@ -225,6 +233,10 @@ def sim(
             view_interval_s=view_interval_ms / 1e3,
             time_scale=time_scale,
             seed=seed,
+            prefill_workers=prefill_workers,
+            decode_workers=decode_workers,
+            pd=pd,  # type: ignore[arg-type]
+            transfer_bandwidth=transfer_gbps * 1e9,
         )
         config.capacity()
     except (ValueError, ProfileError) as exc:

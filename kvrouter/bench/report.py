@@ -42,6 +42,7 @@ __all__ = [
     "BenchReport",
     "PolicySummary",
     "RequestRecord",
+    "goodput_rps",
     "plot_hit_rates",
     "plot_ttft_cdf",
     "render_table",
@@ -103,6 +104,8 @@ class PolicySummary(msgspec.Struct, kw_only=True):
     ttft_p99_s: float
     tpot_mean_s: float
     tpot_p90_s: float
+    tpot_p50_s: float = math.nan
+    tpot_p99_s: float = math.nan
     makespan_s: float
     throughput_rps: float
     output_tps: float
@@ -123,6 +126,26 @@ class BenchReport(msgspec.Struct, kw_only=True):
     config: dict[str, object]
     oracle: dict[str, float] | None
     summaries: list[PolicySummary]
+
+
+def goodput_rps(records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """Requests per second of makespan that finished within both SLOs.
+
+    A request counts when its TTFT is at most ``ttft_slo_s`` and its mean time per
+    output token at most ``tpot_slo_s`` (one that made a single token meets the
+    latter), DistServe's definition of goodput.
+    """
+    done = [r for r in records if r.finish_s is not None]
+    if not done:
+        return 0.0
+    start = min(r.arrival_s for r in records)
+    end = max(r.finish_s for r in done if r.finish_s is not None)
+    good = 0
+    for r in done:
+        ttft, tpot = r.ttft_s, r.tpot_s
+        if ttft is not None and ttft <= ttft_slo_s and (tpot is None or tpot <= tpot_slo_s):
+            good += 1
+    return good / (end - start) if end > start else 0.0
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -163,6 +186,8 @@ def summarize(
         ttft_p99_s=_pct(ttft, 99),
         tpot_mean_s=_mean(tpot),
         tpot_p90_s=_pct(tpot, 90),
+        tpot_p50_s=_pct(tpot, 50),
+        tpot_p99_s=_pct(tpot, 99),
         makespan_s=makespan,
         throughput_rps=len(done) / makespan if makespan > 0 else 0.0,
         output_tps=sum(r.output_tokens for r in done) / makespan if makespan > 0 else 0.0,

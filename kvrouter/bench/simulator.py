@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine_worker.block_pool import BlockPool, TierCapacity
+from engine_worker.kv_transfer import import_blocks
 from engine_worker.profiles import default_profile
 from engine_worker.request import Request, SamplingParams
 from engine_worker.runners.base import StepResult
@@ -57,11 +58,13 @@ from indexer.index.memory import MemoryIndex
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
 from indexer.profile import TimingProfile
-from indexer.views import WorkerView
+from indexer.views import Role, WorkerView
 from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
+from kvrouter.gateway.pd import PdMode, PdPlanner
 from policies.base import Policy, RouteRequest
+from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
 __all__ = [
     "SimConfig",
@@ -111,6 +114,12 @@ class SimConfig:
         time_scale: Arrival rate multiplier (see :func:`kvrouter.bench.trace.arrival_times`).
         seed: Seeds the policies and the workers' epochs.
         vocab_size: Token ids of the replayed prompts and of generated tokens.
+        prefill_workers: Prefill-only workers (hosts ``p0``...), beside ``workers``.
+        decode_workers: Decode-only workers (hosts ``d0``...).
+        pd: Prefill/decode split, as the gateway's ``--pd`` (``never``, ``always``,
+            ``auto``; :class:`kvrouter.gateway.pd.PdPlanner`).
+        transfer_bandwidth: Bytes/s of a KV transfer between two workers (PD hand-offs
+            and pooled prefixes); the default is one 100 Gb/s RDMA NIC.
     """
 
     workers: int = 8
@@ -128,10 +137,26 @@ class SimConfig:
     time_scale: float = 1.0
     seed: int = 0
     vocab_size: int = 32000
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    pd: PdMode = "never"
+    transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.block_size < 1 or self.max_num_seqs < 1:
-            raise ValueError("workers, block_size and max_num_seqs must be >= 1")
+        if min(self.workers, self.prefill_workers, self.decode_workers) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.workers + self.prefill_workers + self.decode_workers < 1:
+            raise ValueError("workers + prefill_workers + decode_workers must be >= 1")
+        if self.workers + self.prefill_workers < 1:
+            raise ValueError(
+                "the cluster needs a worker that prefills (workers or prefill_workers)"
+            )
+        if self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size and max_num_seqs must be >= 1")
+        if self.pd not in ("never", "always", "auto"):
+            raise ValueError(f"pd must be never, always or auto, got {self.pd!r}")
+        if not (math.isfinite(self.transfer_bandwidth) and self.transfer_bandwidth > 0):
+            raise ValueError(f"transfer_bandwidth must be positive, got {self.transfer_bandwidth}")
         if self.hbm_blocks is not None and self.hbm_blocks < 1:
             raise ValueError(f"hbm_blocks must be >= 1, got {self.hbm_blocks}")
         for name in ("dram_blocks", "ssd_blocks"):
@@ -214,6 +239,25 @@ class _Worker:
     beat: WorkerView | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
+    role: Role = Role.BOTH
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """KV blocks on their way to ``target``, and the request that waits for them.
+
+    A PD hand-off (``cached`` is what the prefill worker's cache served, the request's
+    hit rate) or a pooled prefix (``cached`` None: the target's own hit counts).
+    """
+
+    index: int
+    target: str
+    keys: list[int]
+    tokens: list[int]
+    have: int
+    held: int
+    predicted: float | None
+    cached: tuple[int, int, int] | None = None
 
 
 def _max_model_len(trace: Sequence[TraceRecord], config: SimConfig) -> int:
@@ -244,17 +288,24 @@ class _Cluster:
             max_model_len=_max_model_len(trace, config),
         )
         rng = random.Random(config.seed)
-        width = len(str(config.workers - 1))
         self.workers: list[_Worker] = []
-        for i in range(config.workers):
-            pool = BlockPool(self.capacity)
-            try:
-                scheduler = Scheduler(sched, pool, config.block_size)
-            except ValueError as exc:
-                raise SimulationError(str(exc)) from exc
-            runner = SimRunner(self.profile, config.block_size, vocab_size=config.vocab_size)
-            epoch = rng.getrandbits(62)
-            self.workers.append(_Worker(i, f"w{i:0{width}d}", pool, scheduler, runner, epoch))
+        for prefix, count, role in (
+            ("w", config.workers, Role.BOTH),
+            ("p", config.prefill_workers, Role.PREFILL),
+            ("d", config.decode_workers, Role.DECODE),
+        ):
+            width = len(str(max(count - 1, 0)))
+            for i in range(count):
+                pool = BlockPool(self.capacity)
+                try:
+                    scheduler = Scheduler(sched, pool, config.block_size)
+                except ValueError as exc:
+                    raise SimulationError(str(exc)) from exc
+                runner = SimRunner(self.profile, config.block_size, vocab_size=config.vocab_size)
+                epoch = rng.getrandbits(62)
+                host = f"{prefix}{i:0{width}d}"
+                slot = len(self.workers)
+                self.workers.append(_Worker(slot, host, pool, scheduler, runner, epoch, role=role))
         self.by_host = {w.host: w for w in self.workers}
         self.index = MemoryIndex()
         self.pending: deque[tuple[float, EventBatch]] = deque()
@@ -264,6 +315,12 @@ class _Cluster:
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
         self.next_beat = 0.0
+        self.planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
+        #: Prefill-only requests (PD) by request id: the hand-off waiting for each.
+        self.handoffs: dict[str, _Transfer] = {}
+        self.transfers: dict[int, _Transfer] = {}
+        self.transfer_ids = itertools.count()
+        self.cached_override: dict[int, tuple[int, int, int]] = {}
 
     # -- index ------------------------------------------------------------------------
 
@@ -305,6 +362,8 @@ class _Cluster:
             mean_output_tokens=load.mean_output_tokens,
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=w.pool.usage(),
+            transfer_bandwidth=self.config.transfer_bandwidth,
+            role=w.role,
             profile=self.profile,
             ts=now,
         )
@@ -341,7 +400,7 @@ class _Cluster:
     # -- requests and steps -------------------------------------------------------------
 
     def route(self, i: int, now: float) -> None:
-        """Route trace request ``i`` with the policy and queue it on the chosen worker."""
+        """Route trace request ``i`` with the policy (and the PD plan) and queue it."""
         rec = self.trace[i]
         cfg = self.config
         tokens = self.prompts.tokens(rec)
@@ -357,24 +416,81 @@ class _Cluster:
             now=now,
             max_tokens=rec.output_length,
         )
-        decision = self.policy.choose(route, self.views(now), self.index.match_sync(keys))
+        views = self.views(now)
+        # As the gateway: decode-only workers are no prefill candidates while others exist.
+        prefill_capable = [v for v in views if v.role is not Role.DECODE]
+        matches = self.index.match_sync(keys)
+        decision = self.policy.choose(route, prefill_capable or views, matches)
         w = self.by_host.get(decision.worker)
         if w is None:
             raise SimulationError(f"policy {self.policy.name} chose unknown worker {decision}")
-        sampling = SamplingParams(max_tokens=rec.output_length, ignore_eos=True)
+        predicted = decision.predicted_ttft_s
+        if self.planner is not None:
+            plan = self.planner.plan(views, w.host, predicted, len(tokens), cfg.block_size, matches)
+            if plan.disaggregate and plan.decode is not None:
+                self.records[i] = RequestRecord(
+                    i, plan.decode, now, len(tokens), predicted_ttft_s=predicted
+                )
+                handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0, predicted)
+                self.handoffs[f"{rid}.p"] = handoff
+                self.admit(w, f"{rid}.p", tokens, keys, 1, decision.matched_blocks, i, now)
+                return
+            w = self.by_host[plan.prefill]
+        self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
+        source = self.by_host.get(decision.kv_source or "")
+        if source is not None and source is not w:
+            have = len(w.pool.match_prefix(keys))
+            held = len(source.pool.match_prefix(keys))
+            if held > have:
+                self.send(source, _Transfer(i, w.host, keys, tokens, have, held, predicted), now)
+                return
+        self.admit(w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now)
+
+    def admit(
+        self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
+        matched_blocks: int, i: int, now: float,
+    ) -> None:  # fmt: skip
+        """Queue a request on ``w``; an idle worker starts a step."""
+        cfg = self.config
+        sampling = SamplingParams(max_tokens=output, ignore_eos=True)
         request = Request(rid, tokens, sampling, self.root, cfg.block_size, arrival=now)
         request.keys = keys
         w.scheduler.add(request)
         w.in_flight += 1
-        uncached = max(len(tokens) - decision.matched_blocks * cfg.block_size, 1)
+        uncached = max(len(tokens) - matched_blocks * cfg.block_size, 1)
         w.tracked_prefill += uncached
         self.pending_prefill[rid] = uncached
-        self.records[i] = RequestRecord(
-            i, w.host, now, len(tokens), predicted_ttft_s=decision.predicted_ttft_s
-        )
         self.live[rid] = i
         if w.step is None:
             self.start_step(w, now)
+
+    def send(self, source: _Worker, transfer: _Transfer, now: float) -> None:
+        """Start moving ``transfer``'s blocks from ``source``; they land after bytes / bandwidth.
+
+        The source's blocks are read at once (a PD lease holds them; a pooled pull reads
+        what the source holds now), so later evictions there do not matter.
+        """
+        moved = transfer.held - transfer.have
+        size = moved * self.config.block_size * self.profile.kv_bytes_per_token
+        seconds = size / self.config.transfer_bandwidth
+        tid = next(self.transfer_ids)
+        self.transfers[tid] = transfer
+        heapq.heappush(self.heap, (now + seconds, next(self.tiebreak), -1 - tid))
+
+    def land(self, tid: int, now: float) -> None:
+        """Import a transfer's blocks into its target, then queue the waiting request."""
+        t = self.transfers.pop(tid)
+        w = self.by_host[t.target]
+        have = len(w.pool.match_prefix(t.keys))
+        start = min(have, t.held)
+        parent = t.keys[start - 1] if start else self.root
+        run = t.keys[start : t.held]
+        import_blocks(w.pool, None, parent, run, [b""] * len(run))
+        self.publish(w, now)
+        if t.cached is not None:
+            self.cached_override[t.index] = t.cached
+        output = self.trace[t.index].output_length
+        self.admit(w, f"r{t.index}", t.tokens, t.keys, output, t.held, t.index, now)
 
     def start_step(self, w: _Worker, now: float) -> None:
         """Plan and time the worker's next step, or leave it idle when it has no work."""
@@ -400,6 +516,18 @@ class _Cluster:
             req = out.request
             if not out.finished and len(req.output_token_ids) != 1:
                 continue  # a token in the middle of a request: nothing to record
+            handoff = self.handoffs.pop(req.request_id, None) if out.finished else None
+            if handoff is not None:
+                # PD: the prefill-only request is done; its blocks go to the decoder.
+                w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
+                del self.live[req.request_id]
+                w.in_flight -= 1
+                c = req.cached_tokens
+                handoff.cached = (c[0], c[1], c[2])
+                handoff.have = len(self.by_host[handoff.target].pool.match_prefix(handoff.keys))
+                handoff.held = len(w.pool.match_prefix(handoff.keys))
+                self.send(w, handoff, now)
+                continue
             rec = self.records[self.live[req.request_id]]
             assert rec is not None
             if rec.first_token_s is None:
@@ -409,7 +537,7 @@ class _Cluster:
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
                 c = req.cached_tokens
-                rec.cached_tokens = (c[0], c[1], c[2])
+                rec.cached_tokens = self.cached_override.pop(rec.index, (c[0], c[1], c[2]))
                 rec.preemptions = req.num_preemptions
                 del self.live[req.request_id]
                 w.in_flight -= 1
@@ -430,6 +558,9 @@ class _Cluster:
             if heap and (a >= n or heap[0][0] <= arrivals[order[a]]):
                 now, _, slot = heapq.heappop(heap)
                 self.heartbeat(now)
+                if slot < 0:
+                    self.land(-1 - slot, now)
+                    continue
                 done = self.end_step(self.workers[slot], now)
                 if done and progress is not None:
                     progress(done)
@@ -467,7 +598,7 @@ def simulate(
     cluster = _Cluster(trace, policy, cfg)
     cluster.run(progress)
     records = [r for r in cluster.records if r is not None]
-    if len(records) != len(trace) or cluster.live:
+    if len(records) != len(trace) or cluster.live or cluster.transfers:
         raise SimulationError(f"{len(cluster.live)} requests never finished")
     workers = cluster.workers
     snapshots = [w.pool.snapshot() for w in workers]

@@ -34,7 +34,7 @@ from typing import Literal
 
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, Role, WorkerView
-from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.load import Load, LoadTracker
 from policies.cost_model import (
     DEFAULT_TRANSFER_BANDWIDTH,
     prefill_seconds,
@@ -80,12 +80,16 @@ class PdPlan:
 
 
 class PdPlanner:
-    """Chooses the decode worker and whether to disaggregate (see the module docstring)."""
+    """Chooses the decode worker and whether to disaggregate (see the module docstring).
+
+    ``load`` is the gateway's own accounting laid over the views (None in the offline
+    simulator, whose views are exact).
+    """
 
     def __init__(
         self,
         mode: PdMode,
-        load: LoadTracker,
+        load: LoadTracker | None,
         default_profile: TimingProfile | None = None,
         mean_decode_context: int = 2048,
     ) -> None:
@@ -103,7 +107,7 @@ class PdPlanner:
             return None
 
         def rank(v: WorkerView) -> tuple[int, int, str]:
-            in_flight = max(v.in_flight, self.load.load(v.host).in_flight)
+            in_flight = max(v.in_flight, self._tracked(v.host).in_flight)
             matched = matches[v.host].blocks if v.host in matches else 0
             return (in_flight, -matched, v.host)
 
@@ -153,6 +157,10 @@ class PdPlanner:
             return PdPlan(True, prefill, decode.host, "cheaper_split", predicted)
         return PdPlan(False, local, None, "cheaper_local", predicted)
 
+    def _tracked(self, host: str) -> Load:
+        """The router's own count of what it sent to ``host`` (none without a tracker)."""
+        return self.load.load(host) if self.load is not None else Load()
+
     def _cached(
         self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
     ) -> int:
@@ -169,7 +177,7 @@ class PdPlanner:
         new = num_tokens - cached
         batch = view.running
         kv = view.running_kv_tokens or batch * self.mean_decode_context
-        queued = max(view.queued_prefill_tokens, self.load.load(view.host).queued_tokens)
+        queued = max(view.queued_prefill_tokens, self._tracked(view.host).queued_tokens)
         ttft = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
         ttft += prefill_seconds(profile, new, cached, batch, kv)
         return ttft, batch * profile.prefill_seconds(new, cached)
