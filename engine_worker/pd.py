@@ -113,7 +113,6 @@ class Lease:
     """Blocks held for a decoder until ``deadline`` (``time.monotonic``)."""
 
     blocks: list[Block]
-    keys: list[int]
     deadline: float
 
 
@@ -137,8 +136,7 @@ class Leases:
             run.append(block)
         held = s.pool.acquire(run)
         if held:
-            ids = [b.key for b in held if b.key is not None]
-            self._leases[lease_id] = Lease(held, ids, time.monotonic() + ttl_s)
+            self._leases[lease_id] = Lease(held, time.monotonic() + ttl_s)
         return [b.key for b in held if b.key is not None]
 
     def release(self, s: Scheduler, lease_id: str) -> bool:

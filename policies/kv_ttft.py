@@ -217,18 +217,16 @@ class KvTtftPolicy:
             pull = 0.0
             if pulled:
                 # The peer's longer prefix as one more source: its blocks cross the network
-                # instead of being computed; they need HBM all the same.
+                # instead of being computed; they need HBM all the same (same memory wait).
                 pooled_cached, pooled_new = split_prompt(
                     request.num_tokens, matched + pulled, request.block_size
                 )
                 pull = pull_seconds(view, profile, pulled * request.block_size)
-                pooled_memory = memory_wait_seconds(view, profile, new, request.block_size, output)
                 pooled_prefill = prefill_seconds(profile, pooled_new, pooled_cached, batch, kv)
-                pooled = max(queue, pooled_memory) + load + pull + pooled_prefill
+                pooled = wait + load + pull + pooled_prefill
                 if pooled < ttft:
                     sources[view.host] = source
                     cached, new, prefill, ttft = pooled_cached, pooled_new, pooled_prefill, pooled
-                    wait = max(queue, pooled_memory)
                     work = load + profile.prefill_seconds(new, cached)
                 else:
                     pulled, pull = 0, 0.0
