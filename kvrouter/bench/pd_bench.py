@@ -15,7 +15,13 @@ in the suite). Each cell reports TTFT and TPOT p50/p90/p99 and goodput: requests
 per second meeting both ``--ttft-slo`` and ``--tpot-slo`` (DistServe's
 definition).
 
-    python -m kvrouter.bench.pd_bench --jobs 2
+    python -m kvrouter.bench.pd_bench pd --jobs 2
+    python -m kvrouter.bench.pd_bench pooling --jobs 2
+
+``pooling`` replays the suite's ``conversation`` workload (sessions whose
+histories grow past 100K tokens; seed 2, 8 workers, H100 tiers) with
+``kv_ttft`` alone and with pooling (a worker pulls a session's history from
+the peer holding it instead of recomputing), at 0.9 and 1.4 of capacity.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from kvrouter.bench.suite import measure_capacity
 from kvrouter.bench.workloads import generate
 from kvrouter.policy_factory import build_policy
 
-__all__ = ["ARRANGEMENTS", "WORKLOAD", "main"]
+__all__ = ["ARRANGEMENTS", "WORKLOAD", "app", "main", "pooling"]
+
+app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 WORKLOAD = MixedWorkload(
     requests=1200, rate=2.0, long_share=0.3, output_tokens=LogNormal(600, 0.5, 64, 4096)
@@ -67,6 +75,7 @@ def _cell(
     }  # fmt: skip
 
 
+@app.command("pd")
 def main(
     loads: Annotated[str, typer.Option(help="Comma-separated fractions of capacity")] = (
         "0.5,0.7,0.9"
@@ -107,5 +116,45 @@ def main(
     Console(width=170).print(table)
 
 
+def _pooled(pooling: bool, load: float, seed: int) -> dict[str, float | str]:
+    from kvrouter.bench import suite
+
+    capacity, natural = suite._capacity("conversation", seed, False)
+    scale = load * capacity / natural
+    trace = suite._trace("conversation", seed, False)
+    config = suite.CASES["conversation"].config(seed, scale)
+    policy = build_policy("kv_ttft", seed=seed, pooling=pooling)
+    result = simulate(trace, policy, config)
+    s = summarize("pooling" if pooling else "no pooling", result.records, result.busy_s)
+    return {
+        "policy": s.policy, "load": load, "hit": s.hit_rate,
+        "ttft_p50": s.ttft_p50_s, "ttft_p90": s.ttft_p90_s, "ttft_p99": s.ttft_p99_s,
+        "preemptions": s.preemptions,
+    }  # fmt: skip
+
+
+@app.command("pooling")
+def pooling(
+    seed: Annotated[int, typer.Option(help="Trace seed")] = 2,
+    jobs: Annotated[int, typer.Option(help="Parallel replays")] = 2,
+) -> None:
+    """kv_ttft with and without pooling on the conversation workload."""
+    with ProcessPoolExecutor(jobs) as pool:
+        futures = [
+            pool.submit(_pooled, flag, load, seed) for load in (0.9, 1.4) for flag in (False, True)
+        ]
+        rows = [f.result() for f in futures]
+    table = Table(title=f"Pooling on conversation seed {seed} (8 workers)")
+    for col in ("load", "kv_ttft", "hit", "TTFT p50", "p90", "p99", "preempt."):
+        table.add_column(col, justify="left" if col == "kv_ttft" else "right")
+    for r in rows:
+        table.add_row(
+            f"{float(r['load']):.0%}", str(r["policy"]), f"{float(r['hit']):.1%}",
+            *(f"{float(r[k]) * 1e3:,.0f} ms" for k in ("ttft_p50", "ttft_p90", "ttft_p99")),
+            str(r["preemptions"]),
+        )  # fmt: skip
+    Console(width=170).print(table)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    typer.run(main)
+    app()
