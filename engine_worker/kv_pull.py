@@ -173,12 +173,10 @@ class KvPuller:
         expected = expected_for(self.model, self.block_size, layout, keys)
         port = await self._data_port(source_url)
         if port is not None:
-            counter = [0]
-            header, blocks = await fetch_blocks(
-                httpx.URL(source_url).host, port, self._token, keys, release, expected,
-                self._timeout_s, on_bytes=counter.append,
-            )  # fmt: skip
-            received = counter[-1]
+            host = httpx.URL(source_url).host
+            header, blocks, received = await fetch_blocks(
+                host, port, self._token, keys, release, expected, self._timeout_s
+            )
         else:
             header, blocks, received = await self._http_window(source_url, keys, release, expected)
         if not header.keys:

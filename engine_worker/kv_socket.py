@@ -150,9 +150,10 @@ async def fetch_blocks(
     release: str | None,
     expected: Expected,
     timeout_s: float,
-    on_bytes: Callable[[int], None] | None = None,
-) -> tuple[TransferHeader, list[bytes]]:
+) -> tuple[TransferHeader, list[bytes], int]:
     """Pull ``keys`` from the data port at ``host:port``; validated as :func:`read_transfer`.
+
+    Returns the header, the blocks and the bytes received.
 
     Raises:
         TransferError: Refused (the server's reason), unreachable (``http``), or invalid.
@@ -175,9 +176,7 @@ async def fetch_blocks(
         header, blocks = await asyncio.wait_for(
             read_transfer(reader, expected, head=head), timeout_s
         )
-        if on_bytes is not None:
-            on_bytes(len(encode_transfer(header)) + header.block_bytes * len(blocks))
-        return header, blocks
+        return header, blocks, _FRAME.size + length + header.block_bytes * len(blocks)
     except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
     finally:

@@ -212,10 +212,8 @@ class _StreamReader:
     def __init__(self, stream: asyncio.StreamReader, head: bytes = b"") -> None:
         self._stream = stream
         self._head = head
-        self.consumed = 0
 
     async def read(self, n: int, what: str) -> bytes:
-        self.consumed += n
         take, self._head = self._head[:n], self._head[n:]
         try:
             return take + await self._stream.readexactly(n - len(take)) if n > len(take) else take

@@ -31,12 +31,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from engine_worker.block_pool import Block
 from engine_worker.protocol import ApiError
 from engine_worker.scheduler import Scheduler
 from indexer.media import Medium
 
-__all__ = ["Lease", "Leases", "PdParams", "parse_pd"]
+__all__ = ["Lease", "Leases", "PdParams", "parse_pd", "remote_address"]
 
 _U64_MAX = 2**64 - 1
 
@@ -106,6 +108,13 @@ def parse_pd(params: Mapping[str, Any] | None) -> PdParams | None:
         block_keys=tuple(keys),
         lease=lease,
     )
+
+
+def remote_address(base_url: str) -> dict[str, str | int]:
+    """``remote_host`` and ``remote_port`` of ``kv_transfer_params`` for a worker's base URL."""
+    url = httpx.URL(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return {"remote_host": url.host, "remote_port": port}
 
 
 @dataclass(slots=True)

@@ -19,11 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from engine_worker.engine import TokenEvent
 from engine_worker.kv_transfer import TransferError
-from engine_worker.pd import PdParams, parse_pd
+from engine_worker.pd import PdParams, parse_pd, remote_address
 from engine_worker.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -36,7 +34,6 @@ from engine_worker.protocol import (
 from engine_worker.request import FinishReason, Request, SamplingParams
 from engine_worker.scheduler import RequestTooLargeError
 from engine_worker.worker import Worker
-from indexer.keys import block_keys
 from indexer.media import MEDIA, Medium
 
 __all__ = ["Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
@@ -204,18 +201,15 @@ class Generation:
     cached: dict[str, int] = field(default_factory=dict)
     pulled_tokens: int = 0
     _done: bool = False
-
-    def prompt_keys(self) -> list[int]:
-        """Block keys of the prompt's full blocks (what the index and transfers name)."""
-        w, p = self.worker, self.prep
-        return block_keys(p.prompt_ids, w.block_size, w.root(p.cache_salt))
+    #: Keys of the prompt's full blocks, hashed once by the request (the scheduler reuses them).
+    _prompt_keys: list[int] = field(default_factory=list)
 
     async def pull_prefill(self) -> None:
         """PD decode: pull the prefilled blocks this worker lacks; on failure compute them."""
         pd = self.prep.pd
         if pd is None or not pd.remote_prefill:
             return
-        own = self.prompt_keys()
+        own = self._prompt_keys
         run = 0
         while run < min(len(own), len(pd.block_keys)) and own[run] == pd.block_keys[run]:
             run += 1
@@ -234,14 +228,12 @@ class Generation:
         if pd is None or not pd.remote_decode:
             return None
         w, p = self.worker, self.prep
-        held = await w.hold_blocks(p.request_id, self.prompt_keys())
-        url = httpx.URL(w.settings.url)
+        held = await w.hold_blocks(p.request_id, self._prompt_keys)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": w.name,
-            "remote_host": url.host,
-            "remote_port": url.port or (443 if url.scheme == "https" else 80),
+            **remote_address(w.settings.url),
             "remote_block_ids": held,
             "block_keys": held,
             "remote_request_id": p.request_id,
@@ -283,7 +275,10 @@ class Generation:
         except RequestTooLargeError as exc:
             raise ApiError(400, str(exc), code="context_length_exceeded") from exc
         t0 = time.perf_counter()
-        await self.pull_prefill()
+        if p.pd is not None:
+            # Copied: the engine thread extends the request's chain as output blocks fill.
+            self._prompt_keys = list(req.ensure_keys(len(p.prompt_ids)))
+            await self.pull_prefill()
         last = t0
         first_at: float | None = None
         queue = w.engine.submit(req)

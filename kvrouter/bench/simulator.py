@@ -256,7 +256,6 @@ class _Transfer:
     tokens: list[int]
     have: int
     held: int
-    predicted: float | None
     cached: tuple[int, int, int] | None = None
 
 
@@ -431,7 +430,7 @@ class _Cluster:
                 self.records[i] = RequestRecord(
                     i, plan.decode, now, len(tokens), predicted_ttft_s=predicted
                 )
-                handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0, predicted)
+                handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0)
                 self.handoffs[f"{rid}.p"] = handoff
                 self.admit(w, f"{rid}.p", tokens, keys, 1, decision.matched_blocks, i, now)
                 return
@@ -442,7 +441,7 @@ class _Cluster:
             have = len(w.pool.match_prefix(keys))
             held = len(source.pool.match_prefix(keys))
             if held > have:
-                self.send(source, _Transfer(i, w.host, keys, tokens, have, held, predicted), now)
+                self.send(source, _Transfer(i, w.host, keys, tokens, have, held), now)
                 return
         self.admit(w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now)
 

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.http_limits import BodyLimitMiddleware
 from engine_worker.model.registry import resolve
+from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
 from engine_worker.server import install_error_handlers
@@ -369,14 +370,12 @@ def _pool_params(gw: Gateway, routed: Routed) -> dict[str, Any] | None:
     view = gw.directory.views.get(source) if source else None
     if view is None or not view.url:
         return None
-    url = httpx.URL(view.url)
     keys = list(routed.request.block_keys[: routed.decision.matched_blocks])
     gw.metrics.pooled_pulls.inc()
     return {
         "do_remote_prefill": True,
         "remote_engine_id": source,
-        "remote_host": url.host,
-        "remote_port": url.port or (443 if url.scheme == "https" else 80),
+        **remote_address(view.url),
         "remote_block_ids": keys,
     }
 

@@ -208,7 +208,9 @@ async def test_the_data_socket_serves_transfers_and_refuses_bad_tokens_and_reque
     await server.start()
     port = server.port
     try:
-        header, blocks = await fetch_blocks("127.0.0.1", port, "secret", KEYS, None, EXPECTED, 10.0)
+        header, blocks, _ = await fetch_blocks(
+            "127.0.0.1", port, "secret", KEYS, None, EXPECTED, 10.0
+        )
         assert header.keys == KEYS
         assert [checksum(b) for b in blocks] == header.checksums
         with pytest.raises(TransferError) as caught:
