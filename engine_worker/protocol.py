@@ -28,6 +28,10 @@ __all__ = [
     "new_id",
 ]
 
+#: Token ids are unsigned 32-bit on the wire and in block keys (DESIGN.md); any model's
+#: vocabulary is far smaller, and each server checks its own bound on top of this one.
+_TOKEN_ID_END = 2**32
+
 
 def new_id(prefix: str) -> str:
     """A fresh OpenAI-style id such as ``cmpl-3f2a...``."""
@@ -58,7 +62,7 @@ class _SamplingFields(_Lenient):
     seed: int | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,8 +106,10 @@ class CompletionRequest(_SamplingFields):
             if len(v) != 1:
                 raise ValueError("only one prompt per request is supported")
             v = v[0]
-        if isinstance(v, list) and any(not isinstance(t, int) or t < 0 for t in v):
-            raise ValueError("token ids must be non-negative integers")
+        if isinstance(v, list) and any(
+            not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END for t in v
+        ):
+            raise ValueError(f"token ids must be integers in [0, {_TOKEN_ID_END})")
         if isinstance(v, str | list) and len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v  # type: ignore[no-any-return]
@@ -206,6 +212,7 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -213,6 +220,7 @@ class ApiError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         """The JSON body to send."""

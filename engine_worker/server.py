@@ -7,7 +7,6 @@ stops them on shutdown. No module-level app, settings or singletons.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine_worker.http_limits import BodyLimitMiddleware
+from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError, encode_transfer
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
@@ -58,7 +57,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -87,6 +86,19 @@ def get_worker(request: Request) -> Worker:
 WorkerDep = Annotated[Worker, Depends(get_worker)]
 
 
+def get_serving_worker(request: Request) -> Worker:
+    """The worker, or 503 while it drains for shutdown (a router retries elsewhere)."""
+    worker = get_worker(request)
+    if worker.draining:
+        raise ApiError(
+            503, "this worker is shutting down", type_="service_unavailable", code="draining"
+        )
+    return worker
+
+
+ServingDep = Annotated[Worker, Depends(get_serving_worker)]
+
+
 def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None = None) -> FastAPI:
     """Build the worker app. The model loads when the app starts (lifespan)."""
     metrics = WorkerMetrics(registry or CollectorRegistry())
@@ -103,6 +115,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
             settings.block_size, settings.hbm_blocks, settings.dram_blocks, settings.ssd_blocks,
         )  # fmt: skip
         app.state.worker = worker
+        app.state.drain = worker.drain
         try:
             yield {"worker": worker}
         finally:
@@ -111,19 +124,18 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     app = FastAPI(title="kvrouter worker", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-
-    def require_internal(request: Request) -> None:
-        token = settings.internal_token
-        if token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        ok = scheme.lower() == "bearer" and given.strip()
-        if not ok or not hmac.compare_digest(
-            given.strip().encode(), token.get_secret_value().encode()
-        ):
-            raise ApiError(401, "a valid internal token is required", type_="authentication_error")
-
-    internal = Depends(require_internal)
+    # Outermost: with a token, nothing but /health (and /metrics unless asked) runs
+    # without it, so the gateway's keys, limits and load accounting cannot be bypassed.
+    open_paths = {"/health"} if settings.metrics_require_token else {"/health", "/metrics"}
+    token = settings.internal_token
+    app.add_middleware(
+        BearerAuthMiddleware,
+        tokens=[token.get_secret_value().encode()] if token is not None else [],
+        protected=lambda path: path not in open_paths,
+        message="a valid internal token is required",
+        type_="authentication_error",
+        code="invalid_internal_token",
+    )
 
     async def respond(gen: Generation) -> Response:
         if gen.prep.stream:
@@ -135,12 +147,14 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         return JSONResponse(await full_body(gen), headers={"X-Request-Id": gen.prep.request_id})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, worker: WorkerDep) -> Response:
+    async def completions(
+        body: CompletionRequest, request: Request, worker: ServingDep
+    ) -> Response:
         gen = Generation(worker, prepare_completion(worker, body), request.is_disconnected)
         return await respond(gen)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, worker: WorkerDep) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request, worker: ServingDep) -> Response:
         gen = Generation(worker, prepare_chat(worker, body), request.is_disconnected)
         return await respond(gen)
 
@@ -176,7 +190,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         """The worker's view (what its heartbeat publishes), for static discovery."""
         return Response(msgspec.json.encode(worker.view()), media_type="application/json")
 
-    @app.get("/kv/keys", dependencies=[internal])
+    @app.get("/kv/keys")
     async def kv_keys(worker: WorkerDep) -> Response:
         """Every cached key per medium, taken between two engine steps (for the audit)."""
         blocks = await worker.engine.acall(lambda s: s.pool.snapshot())
@@ -187,7 +201,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         }
         return Response(json.dumps(payload), media_type="application/json")
 
-    @app.get("/kv/stats", dependencies=[internal])
+    @app.get("/kv/stats")
     async def kv_stats(worker: WorkerDep) -> dict[str, Any]:
         """Pool counters and usage (tests and operators)."""
 
@@ -207,7 +221,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         result: dict[str, Any] = await worker.engine.acall(read)
         return result
 
-    @app.post("/kv/blocks", dependencies=[internal])
+    @app.post("/kv/blocks")
     async def kv_blocks(body: BlocksBody, worker: WorkerDep) -> Response:
         """Serve the longest cached run of ``keys`` in the binary transfer format."""
         header, blocks = await worker.export_blocks(body.keys, body.release)
@@ -219,12 +233,12 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
 
         return StreamingResponse(stream(), media_type="application/octet-stream")
 
-    @app.get("/kv/endpoint", dependencies=[internal])
+    @app.get("/kv/endpoint")
     async def kv_endpoint(worker: WorkerDep) -> dict[str, Any]:
         """Where this worker serves KV transfers over a plain socket."""
         return {"port": worker.kv_server.port}
 
-    @app.post("/kv/pull", dependencies=[internal])
+    @app.post("/kv/pull")
     async def kv_pull(body: PullBody, worker: WorkerDep) -> dict[str, Any]:
         """Pull the run ``keys`` from the worker at ``source`` into this worker's pool."""
         try:

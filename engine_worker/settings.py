@@ -52,10 +52,16 @@ class WorkerSettings(BaseSettings):
     event_max_delay_s: float = Field(0.01, ge=0)
     event_buffer_limit: int = Field(10_000, ge=1)
     event_drop_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault hook: drop batches")
-    internal_token: SecretStr | None = Field(None, description="required on /kv/* endpoints")
+    internal_token: SecretStr | None = Field(
+        None, description="when set, required on every route but /health (and /metrics)"
+    )
+    metrics_require_token: bool = Field(False, description="/metrics needs the token too")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     kv_port: int = Field(0, ge=0, le=65535, description="KV data socket port (0: any free)")
     lease_ttl_s: float = Field(30.0, gt=0, description="PD: how long prefilled blocks wait")
+    drain_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
+    )
     seed: int = 0
 
     @model_validator(mode="after")

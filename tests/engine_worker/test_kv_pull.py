@@ -54,9 +54,12 @@ def trio() -> Iterator[list[str]]:
         yield urls
 
 
-def complete(url: str, prompt: list[int] = PROMPT, max_tokens: int = 6) -> dict[str, Any]:
+def complete(
+    url: str, prompt: list[int] = PROMPT, max_tokens: int = 6, token: str = TOKEN
+) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    auth = {"authorization": f"Bearer {token}"}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     return out
@@ -102,7 +105,7 @@ def test_a_pulled_prefix_is_used_and_the_output_is_the_same_token_for_token(
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert metric(a, "kv_transfer_blocks_total", 'direction="sent"') == 5
     assert metric(b, "kv_transfer_blocks_total", 'direction="received"') == 5
-    view = httpx.get(f"{b}/worker/view", timeout=10).json()
+    view = httpx.get(f"{b}/worker/view", headers=AUTH, timeout=10).json()
     assert view["transfer_bandwidth"] > 0
     # Pulling again moves nothing: B holds the run.
     again = pull(b, a).json()
@@ -118,7 +121,7 @@ def test_transfers_need_the_internal_token(trio: list[str]) -> None:
     assert pull(b, a, headers={}).status_code == 401
     with workers(settings("other", internal_token="another")) as (other,):
         prompt = list(range(200, 248))
-        complete(other, prompt)
+        complete(other, prompt, token="another")
         before = hbm_keys(b)
         r = pull(b, other, keys=block_keys(prompt, 16, root_parent("tiny")))
         # ``other`` refuses B's token: nothing imported, the failure counted by reason.
@@ -174,7 +177,7 @@ def pd_request(url: str, params: dict[str, Any], max_tokens: int = 6) -> httpx.R
         "model": "tiny", "prompt": PD_PROMPT, "max_tokens": max_tokens, "temperature": 0,
         "kv_transfer_params": params,
     }  # fmt: skip
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
 
 
 PD_PROMPT = list(range(500, 580))  # 5 full blocks, not used by the other tests
@@ -235,9 +238,11 @@ def test_a_decoder_whose_prefill_worker_is_gone_computes_the_prompt_itself(
     }  # fmt: skip
     failures = metric(b, "kv_transfer_failures_total", 'reason="http"')
     body = {"model": "tiny", "prompt": list(range(600, 680)), "max_tokens": 5, "temperature": 0}
-    r = httpx.post(f"{b}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    r = httpx.post(
+        f"{b}/v1/completions", json={**body, "kv_transfer_params": params}, headers=AUTH, timeout=60
+    )
     assert r.status_code == 200, r.text
-    expected = httpx.post(f"{c}/v1/completions", json=body, timeout=60).json()
+    expected = httpx.post(f"{c}/v1/completions", json=body, headers=AUTH, timeout=60).json()
     assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert metric(b, "kv_transfer_failures_total", 'reason="http"') == failures + 1
@@ -262,7 +267,7 @@ def test_malformed_kv_transfer_params_are_a_400(
     trio: list[str], params: dict[str, Any], extra: dict[str, Any], message: str
 ) -> None:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": params}
-    r = httpx.post(f"{trio[0]}/v1/completions", json={**body, **extra}, timeout=30)
+    r = httpx.post(f"{trio[0]}/v1/completions", json={**body, **extra}, headers=AUTH, timeout=30)
     assert r.status_code == 400
     assert message in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "kv_transfer_params" or message == "cannot be streamed"

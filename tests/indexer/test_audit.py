@@ -52,7 +52,8 @@ async def synced(
     index = RedisIndex(client, KS)
     ing = Ingester(redis_url, index, keyspace=KS, config=fast_config())
     await ing.start()
-    async with httpx.AsyncClient(timeout=60) as http:
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(timeout=60, headers=auth) as http:
         for i in range(12):
             prompt = "Shared instructions for every request. " * 4 + f"case {i} " * (i % 5 + 1)
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}

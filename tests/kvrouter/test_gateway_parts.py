@@ -160,22 +160,6 @@ def test_session_affinity_is_a_hint_the_scores_can_overrule(lower_is_better: boo
     )
 
 
-def test_worker_internal_endpoints_need_the_internal_token() -> None:
-    port = free_port()
-    settings = worker_settings("tok-w", port, None, internal_token="s3cret")
-    with serve_app(create_worker_app(settings), port=port) as url:
-        assert httpx.get(f"{url}/kv/keys").status_code == 401
-        assert (
-            httpx.get(f"{url}/kv/keys", headers={"authorization": "Bearer nope"}).status_code == 401
-        )
-        assert httpx.get(f"{url}/kv/keys", headers={"authorization": "s3cret"}).status_code == 401
-        ok = httpx.get(f"{url}/kv/keys", headers={"authorization": "Bearer s3cret"})
-        assert ok.status_code == 200
-        assert ok.json()["host"] == "tok-w"
-        # The OpenAI API stays open to the gateway without the token.
-        assert httpx.get(f"{url}/v1/models").status_code == 200
-
-
 async def test_a_burst_whose_lookups_overlap_sees_each_others_load(redis_url: str) -> None:
     """Requests decided while the others' index lookups are in flight must each see the
     load of those decided before them (the dispatcher's ticket, taken at once), so that a
