@@ -101,3 +101,7 @@ class Keyspace:
     def load(self, suffix: str) -> str:
         """A key of the routers' shared load accounting."""
         return f"{self.prefix}:load:{suffix}"
+
+    def limit(self, suffix: str) -> str:
+        """A key of the routers' shared rate-limit buckets."""
+        return f"{self.prefix}:rl:{suffix}"

@@ -23,9 +23,8 @@ def indexer(
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
 ) -> None:
     """Consume the workers' event streams into the index (settings also from KVINDEX_*)."""
-    import uvicorn
-
     from indexer.ingest_service import IndexerSettings, create_app
+    from kvrouter.graceful import serve as serve_app
     from kvrouter.logs import configure_logging
 
     given: dict[str, Any] = {
@@ -34,13 +33,7 @@ def indexer(
     }  # fmt: skip
     settings = IndexerSettings(**{k: v for k, v in given.items() if v not in (None, "")})
     configure_logging("indexer", log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.bind,
-        port=settings.metrics_port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
-    )
+    serve_app(create_app(settings), host=settings.bind, port=settings.metrics_port, drain_s=5.0)
 
 
 @index_app.command("audit")

@@ -24,10 +24,9 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
 ) -> None:
     """Run the OpenAI-compatible gateway (settings also from KVROUTER_* variables)."""
-    import uvicorn
-
     from kvrouter.gateway.app import create_app
     from kvrouter.gateway.settings import RouterSettings
+    from kvrouter.graceful import serve as serve_app
     from kvrouter.logs import configure_logging
 
     given: dict[str, Any] = {
@@ -36,12 +35,8 @@ def serve(
     }  # fmt: skip
     settings = RouterSettings(**{k: v for k, v in given.items() if v not in (None, "", [])})
     configure_logging("gateway", log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.bind,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
+    serve_app(
+        create_app(settings), host=settings.bind, port=settings.port, drain_s=settings.drain_s
     )
 
 

@@ -6,17 +6,23 @@
     kvrouter serve              (the gateway, on --port)
 
 Ctrl-C (or SIGTERM) stops everything: children in reverse order, then
-Redis. Children die with this process even if it is killed.
+Redis. Children die with this process even if it is killed. The Redis URL
+and a generated internal token (workers require it on every route but
+``/health`` and ``/metrics``; kept in ``LOG_DIR/internal-token``, mode 0600)
+reach the children through their environment, not their command lines.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -60,7 +66,22 @@ def up(
         assert embedded.proc is not None
         log.info("started redis (pid %d) at %s", embedded.proc.pid, embedded.url)
     redis_url = redis or (embedded.url if embedded else "")
-    sup = Supervisor(log_dir)
+    token = os.environ.get("KVWORKER_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    token_file = log_dir / "internal-token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    # Secrets travel in the children's environment, never on their command lines
+    # (which every local user can read in /proc): the Redis URL may hold a password.
+    sup = Supervisor(
+        log_dir,
+        env={
+            "KVINDEX_REDIS_URL": redis_url, "KVWORKER_REDIS_URL": redis_url,
+            "KVROUTER_REDIS_URL": redis_url,
+            "KVWORKER_INTERNAL_TOKEN": token, "KVROUTER_INTERNAL_TOKEN": token,
+        },
+    )  # fmt: skip
     py = [sys.executable, "-m", "kvrouter"]
     stopping = False
 
@@ -74,7 +95,7 @@ def up(
     try:
         indexer = sup.spawn(
             "indexer",
-            [*py, "indexer", "--redis", redis_url, "--metrics-port", str(indexer_port)],
+            [*py, "indexer", "--metrics-port", str(indexer_port)],
             f"http://127.0.0.1:{indexer_port}/metrics",
         )
         pool = []
@@ -86,7 +107,7 @@ def up(
             wport = worker_port + i
             args = [
                 *py, "worker", "--model", model, "--runner", runner, "--port", str(wport),
-                "--name", f"worker-{i}", "--redis", redis_url, "--role", role,
+                "--name", f"worker-{i}", "--role", role,
                 "--hbm-blocks", str(hbm_blocks), "--dram-blocks", str(dram_blocks),
             ]  # fmt: skip
             if ssd_blocks:
@@ -95,17 +116,19 @@ def up(
             pool.append(sup.spawn(f"worker-{i}", args, f"http://127.0.0.1:{wport}/health"))
         gateway = sup.spawn(
             "gateway",
-            [*py, "serve", "--port", str(port), "--model", model, "--redis", redis_url,
-             "--policy", policy, "--pd", split],
+            [*py, "serve", "--port", str(port), "--model", model, "--policy", policy,
+             "--pd", split],
             f"http://127.0.0.1:{port}/ready",
         )  # fmt: skip
         with console.status(f"starting {len(roles)} {runner} workers ({model})..."):
             sup.wait_healthy([indexer, *pool, gateway], start_timeout)
         console.print(
             f"[bold green]kvrouter is up[/]: gateway http://127.0.0.1:{port}/v1 "
-            f"({len(roles)} workers, policy {policy}, pd {split}, Redis {redis_url}); "
+            f"({len(roles)} workers, policy {policy}, pd {split}, Redis {masked(redis_url)}); "
             f"logs in {log_dir}/\n"
-            f"Try: curl -s http://127.0.0.1:{port}/v1/models   (Ctrl-C stops everything)"
+            f"Try: curl -s http://127.0.0.1:{port}/v1/models   (Ctrl-C stops everything)\n"
+            f"Audit the index: KVWORKER_INTERNAL_TOKEN=$(cat {token_file}) "
+            f"kvrouter index audit --redis {masked(redis_url)}"
         )
         while not stopping:
             dead = sup.dead()
@@ -123,6 +146,15 @@ def up(
         if embedded is not None:
             embedded.close()
     raise typer.Exit(code)
+
+
+def masked(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def register(app: typer.Typer) -> None:

@@ -33,10 +33,9 @@ def worker(
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
 ) -> None:
     """Run one worker (settings also come from KVWORKER_* environment variables)."""
-    import uvicorn
-
     from engine_worker.server import create_app
     from engine_worker.settings import WorkerSettings
+    from kvrouter.graceful import serve as serve_app
     from kvrouter.logs import configure_logging
 
     given: dict[str, Any] = {
@@ -49,12 +48,8 @@ def worker(
     }  # fmt: skip
     settings = WorkerSettings(**{k: v for k, v in given.items() if v not in (None, "")})
     configure_logging("worker", log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.bind,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
+    serve_app(
+        create_app(settings), host=settings.bind, port=settings.port, drain_s=settings.drain_s
     )
 
 

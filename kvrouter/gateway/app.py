@@ -7,24 +7,25 @@ models; no module-level app, settings or singletons.
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import httpx
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import Receive, Scope, Send
 
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
-from engine_worker.http_limits import BodyLimitMiddleware
+from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
@@ -35,8 +36,9 @@ from indexer.index.redis_index import RedisIndex
 from indexer.views import Role, WorkerView
 from indexer.wire import Keyspace
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.discovery import WorkerDirectory
+from kvrouter.gateway.discovery import AllowedWorkers, WorkerDirectory
 from kvrouter.gateway.dispatch import Dispatcher, Upstream, stream_error_event
+from kvrouter.gateway.limits import RateLimiter, client_id, over_slo
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.pd import PdPlan, PdPlanner
@@ -50,6 +52,10 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_T = TypeVar("_T")
+
+#: The status counted for a request whose client left before its answer (nginx's 499).
+CLIENT_CLOSED = 499
 
 
 @dataclass(slots=True)
@@ -63,7 +69,9 @@ class Gateway:
     load: LoadTracker
     affinity: SessionAffinity
     metrics: RouterMetrics
+    limiter: RateLimiter
     pd: PdPlanner | None = None
+    draining: bool = False
 
     def decoders(self, model: str) -> list[WorkerView]:
         """Decode-capable workers serving ``model`` (role decode or both), by name."""
@@ -120,6 +128,10 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             static_urls=settings.workers,
             http=http,
             interval_s=settings.discovery_interval_s,
+            internal_token=(
+                settings.internal_token.get_secret_value() if settings.internal_token else None
+            ),
+            allowed=AllowedWorkers.parse(settings.allowed_workers),
         )
         load = LoadTracker(
             client=client,
@@ -160,9 +172,24 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         directory.start()
         load.start()
         planner = PdPlanner(settings.pd, load, default_profile())
+        affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
+        limiter = RateLimiter(
+            metrics, client, keyspace,
+            requests_per_s=settings.rate_limit_rps, tokens_per_min=settings.rate_limit_tpm,
+            burst_s=settings.rate_limit_burst_s,
+        )  # fmt: skip
         gw = Gateway(
-            settings, router, dispatcher, directory, load, SessionAffinity(), metrics, planner
+            settings, router, dispatcher, directory, load, affinity, metrics, limiter, planner
         )
+
+        async def drain() -> None:
+            gw.draining = True
+            metrics.draining.set(1)
+            log.info("draining: not ready; in-flight requests get up to %.0f s", settings.drain_s)
+            # Load balancers see /ready fail and stop sending; until then, serve as usual.
+            await asyncio.sleep(settings.unready_grace_s)
+
+        app.state.drain = drain
         log.info(
             "gateway on %s:%d: models %s, policy %s, %d workers known",
             settings.bind, settings.port, sorted(models), settings.policy, len(directory.views),
@@ -181,32 +208,23 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
     app = FastAPI(title="kvrouter gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Outermost: an unauthenticated client gets its 401 before any byte of its body is read.
+    app.add_middleware(
+        BearerAuthMiddleware,
+        tokens=[k.get_secret_value().encode() for k in settings.api_keys],
+        protected=lambda path: path.startswith("/v1/"),
+        on_failure=metrics.auth_failures.inc,
+    )
 
-    def authorize(request: Request) -> None:
-        if not settings.api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not given or not any(
-            hmac.compare_digest(given, k.get_secret_value().encode()) for k in settings.api_keys
-        ):
-            metrics.auth_failures.inc()
-            raise ApiError(
-                401, "Incorrect or missing API key.", type_="invalid_request_error",
-                code="invalid_api_key",
-            )  # fmt: skip
-
-    auth = Depends(authorize)
-
-    @app.post("/v1/completions", dependencies=[auth])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
         return await _handle(gw, "completions", "/v1/completions", body, request)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
         return await _handle(gw, "chat", "/v1/chat/completions", body, request)
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     async def models(gw: GatewayDep) -> dict[str, Any]:
         served = [m for m in gw.directory.served_models() if m in gw.router.models]
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvrouter"} for m in served]
@@ -218,16 +236,29 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
 
     @app.get("/ready")
     async def ready(gw: GatewayDep) -> Response:
+        if gw.draining:
+            body = ApiError(503, "draining for shutdown", type_="service_unavailable").body()
+            return JSONResponse(body, status_code=503)
         workers = sum(len(gw.directory.routable(m)) for m in gw.router.models)
         if workers == 0:
             body = ApiError(503, "no routable worker yet", type_="service_unavailable").body()
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ready", "workers": workers})
 
+    gauged: set[str] = set()
+
     @app.get("/metrics")
     async def metrics_endpoint(gw: GatewayDep) -> Response:
-        for w in gw.load.workers():
+        # Every known worker has a series (one whose count fell to zero reads 0, not its
+        # last value); a worker that left and holds no count loses its series.
+        known = {*gw.load.workers(), *gw.directory.views}
+        for w in gauged - known:
+            with suppress(KeyError):
+                metrics.in_flight.remove(w)
+        for w in known:
             metrics.in_flight.labels(w).set(gw.load.load(w).in_flight)
+        gauged.clear()
+        gauged.update(known)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -236,6 +267,15 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
 def _request_id(request: Request) -> str:
     rid = request.headers.get("x-request-id", "")
     return rid if _REQUEST_ID.match(rid) else new_id("req")
+
+
+@dataclass(slots=True)
+class _Opened:
+    """A request routed and sent: the worker's response is open."""
+
+    routed: Routed
+    plan: PdPlan | None
+    up: Upstream
 
 
 async def _handle(
@@ -248,40 +288,115 @@ async def _handle(
     t0 = time.perf_counter()
     rid = _request_id(request)
     ctx = request_id_var.set(rid)
-    policy = gw.settings.policy
+    labels = [gw.settings.policy]  # the policy that decided, once it did
     try:
-        session = request.headers.get(gw.settings.session_header) or body.user or None
-        raw: dict[str, Any] = await request.json()
-        # From here to the dispatcher's ticket nothing may suspend: see Router.route.
-        routed = await gw.router.route(body, rid, session)
-        worker = gw.affinity.prefer(session, routed.decision)
-        policy = routed.decision.policy
-        candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
-        plan = _plan(gw, body.model, routed, worker)
-        wants_usage = body.include_usage
-        if body.stream:
-            raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        prefill_tokens = _prefill_tokens(routed)
-        if plan is not None and plan.disaggregate and plan.decode is not None:
-            params = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
-            if params is not None:
-                raw["kv_transfer_params"] = params
-            others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
-            candidates = [plan.decode, *others]
-        elif plan is not None and plan.prefill != worker:
-            candidates = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
-        elif worker == routed.decision.worker and (pool := _pool_params(gw, routed)):
-            raw["kv_transfer_params"] = pool
-        up = await gw.dispatcher.open(
-            candidates, path, json.dumps(raw).encode(), rid, prefill_tokens,
-            whole=not body.stream,
-        )  # fmt: skip
+        opened = await _unless_client_leaves(request, _open(gw, path, body, request, rid, labels))
     except ApiError as exc:
-        gw.metrics.requests.labels(endpoint, str(exc.status), policy).inc()
+        gw.metrics.requests.labels(endpoint, str(exc.status), labels[0]).inc()
         raise
     finally:
         request_id_var.reset(ctx)
+    if opened is None:
+        gw.metrics.client_gone.labels("before_first_byte").inc()
+        gw.metrics.requests.labels(endpoint, str(CLIENT_CLOSED), labels[0]).inc()
+        return Response(status_code=CLIENT_CLOSED)
+    up = opened.up
+    try:
+        return await _respond(gw, opened, endpoint, labels[0], body, request, rid, t0)
+    except BaseException:
+        await up.close()
+        raise
+
+
+async def _open(
+    gw: Gateway,
+    path: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+    rid: str,
+    labels: list[str],
+) -> _Opened:
+    """Route, admit, and open the worker's response (its first byte, or all of it)."""
+    session = request.headers.get(gw.settings.session_header) or body.user or None
+    raw: dict[str, Any] = await request.json()
+    ids = None
+    if gw.limiter.limits:
+        ids = gw.router.tokenize(body)
+        api_key = request.headers.get("authorization", "").partition(" ")[2].strip()
+        await gw.limiter.check(client_id(api_key), len(ids) + (body.max_tokens or 0))
+    # From here to the dispatcher's ticket nothing may suspend: see Router.route.
+    routed = await gw.router.route(body, rid, session, ids=ids)
+    labels[0] = routed.decision.policy
+    if refusal := over_slo(routed.decision.predicted_ttft_s, gw.settings.admission_max_ttft_s):
+        gw.metrics.admission_rejected.inc()
+        raise refusal
+    worker = gw.affinity.prefer(session, routed.decision)
+    candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
+    plan = _plan(gw, body.model, routed, worker)
+    if body.stream:
+        raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+    prefill_tokens = _prefill_tokens(routed)
+    if plan is not None and plan.disaggregate and plan.decode is not None:
+        params = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
+        if params is not None:
+            raw["kv_transfer_params"] = params
+        others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
+        candidates = [plan.decode, *others]
+    elif plan is not None and plan.prefill != worker:
+        candidates = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
+    elif worker == routed.decision.worker and (pool := _pool_params(gw, routed)):
+        raw["kv_transfer_params"] = pool
+    up = await gw.dispatcher.open(
+        candidates, path, json.dumps(raw).encode(), rid, prefill_tokens, whole=not body.stream,
+    )  # fmt: skip
     gw.affinity.record(session, up.worker)
+    return _Opened(routed, plan, up)
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
+    """Run ``work``; if the client disconnects first, cancel it and return None.
+
+    Cancelling stops everything ``work`` started: the load ticket ends and the
+    worker's connection closes, which aborts the request on the worker.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        late = await task
+    except (asyncio.CancelledError, ApiError):
+        return None
+    if isinstance(late, _Opened):  # it finished just as the client left
+        await late.up.close()
+    return None
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(
+    gw: Gateway,
+    opened: _Opened,
+    endpoint: str,
+    policy: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+    rid: str,
+    t0: float,
+) -> Response:
+    routed, plan, up = opened.routed, opened.plan, opened.up
     headers = {"x-request-id": rid, "x-kvrouter-worker": up.worker}
     if request.headers.get(gw.settings.debug_header):
         decision = gw.router.decision_header(routed)
@@ -291,9 +406,10 @@ async def _handle(
         headers["x-kvrouter-decision"] = json.dumps(decision, separators=(",", ":"))
     gw.metrics.prompt_tokens.inc(routed.prompt_tokens)
     if up.rest is None:
-        await up.close()
+        await up.close()  # the body was read whole
         if up.status == 200:
-            _observe_usage(gw, json.loads(up.first).get("usage"))
+            with suppress(ValueError, AttributeError):
+                _observe_usage(gw, json.loads(up.first).get("usage"))
         gw.metrics.requests.labels(endpoint, str(up.status), policy).inc()
         gw.metrics.e2e.observe(time.perf_counter() - t0)
         ctype = up.headers.get("content-type", "application/json")
@@ -304,8 +420,10 @@ async def _handle(
     if predicted:
         gw.metrics.predicted_ttft.observe(predicted)
         gw.metrics.ttft_error_ratio.observe(ttft / predicted)
-    return StreamingResponse(
-        _relay(gw, up, wants_usage, endpoint, policy, t0),
+    stream = _Stream(gw, up, body.include_usage, endpoint, policy, t0)
+    return _RelayResponse(
+        stream.relay(),
+        on_close=stream.close,
         media_type="text/event-stream",
         headers={**headers, "cache-control": "no-cache"},
     )
@@ -398,40 +516,82 @@ def _observe_usage(gw: Gateway, usage: dict[str, Any] | None) -> None:
             gw.metrics.prefix_hit_tokens.labels(medium).inc(n)
 
 
-async def _relay(
-    gw: Gateway, up: Upstream, wants_usage: bool, endpoint: str, policy: str, t0: float
-) -> AsyncIterator[bytes]:
-    """Pass the worker's SSE through as it arrives; end cleanly if the worker breaks."""
-    status = "200"
-    buf = b""
-    try:
+class _RelayResponse(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends, even if never iterated.
+
+    Starlette does not iterate the body of a response whose client left before
+    it started, and an async generator that never started never runs its
+    ``finally``: cleanup must not live (only) there.
+    """
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One relayed stream: its upstream, and what is counted when it ends."""
+
+    gw: Gateway
+    up: Upstream
+    wants_usage: bool
+    endpoint: str
+    policy: str
+    t0: float
+    status: int = CLIENT_CLOSED  # until the relay reaches the end one way or the other
+    closed: bool = False
+
+    async def relay(self) -> AsyncIterator[bytes]:
+        """Pass the worker's SSE through as it arrives; end cleanly if the worker breaks."""
+        gw, up = self.gw, self.up
         assert up.rest is not None
-        chunk = up.first
-        while True:
-            buf += chunk
-            *events, buf = buf.split(b"\n\n")
-            out = []
-            for ev in events:
-                if b'"usage"' in ev and b'"choices":[]' in ev:
-                    with suppress(ValueError):
-                        _observe_usage(gw, json.loads(ev.removeprefix(b"data: ")).get("usage"))
-                    if not wants_usage:
-                        continue
-                out.append(ev + b"\n\n")
-            if out:
-                yield b"".join(out)
-            try:
-                chunk = await up.rest.__anext__()
-            except StopAsyncIteration:
-                break
-        if buf:
-            yield buf
-    except httpx.HTTPError as exc:
-        status = "502"
-        gw.metrics.stream_errors.inc()
-        log.warning("stream from %s broke after the first byte: %s", up.worker, exc)
-        yield stream_error_event(f"the worker's stream broke: {type(exc).__name__}")
-    finally:
-        await up.close()
-        gw.metrics.requests.labels(endpoint, status, policy).inc()
-        gw.metrics.e2e.observe(time.perf_counter() - t0)
+        buf = b""
+        try:
+            chunk = up.first
+            while True:
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                out = []
+                for ev in events:
+                    if b'"usage"' in ev and b'"choices":[]' in ev:
+                        with suppress(ValueError, AttributeError):
+                            usage = json.loads(ev.removeprefix(b"data: ")).get("usage")
+                            _observe_usage(gw, usage)
+                        if not self.wants_usage:
+                            continue
+                    out.append(ev + b"\n\n")
+                if out:
+                    yield b"".join(out)
+                try:
+                    chunk = await up.rest.__anext__()
+                except StopAsyncIteration:
+                    break
+            if buf:
+                yield buf
+            self.status = 200
+        except httpx.HTTPError as exc:
+            self.status = 502
+            gw.metrics.stream_errors.inc()
+            log.warning("stream from %s broke after the first byte: %s", up.worker, exc)
+            yield stream_error_event(f"the worker's stream broke: {type(exc).__name__}")
+
+    async def close(self) -> None:
+        """Release the worker and count the request (once, however the stream ended)."""
+        if self.closed:
+            return
+        self.closed = True
+        m = self.gw.metrics
+        try:
+            await self.up.close()
+        finally:
+            if self.status == CLIENT_CLOSED:
+                m.client_gone.labels("streaming").inc()
+            m.requests.labels(self.endpoint, str(self.status), self.policy).inc()
+            m.e2e.observe(time.perf_counter() - self.t0)

@@ -9,7 +9,11 @@ Every ``interval_s`` the directory rebuilds its view of the workers:
 
 A worker whose block size differs from the gateway's, or whose model the
 gateway has no tokenizer for, is refused with one log line and a metric:
-routing to it would compute keys the worker never produces. A worker that
+routing to it would compute keys the worker never produces. With
+``allowed`` set, so is a worker whose URL's host is not one of the allowed
+hosts or inside one of the allowed networks: a heartbeat is just a value in
+Redis, and whoever can write it must not be able to point the gateway (and
+its internal token) at an address of their choosing. A worker that
 failed a dispatch (connection refused, timeout) is benched until a heartbeat
 newer than the failure shows it alive again.
 
@@ -22,10 +26,12 @@ lost its data; workers re-register on their next beat) is kept for
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -37,9 +43,49 @@ from indexer.views import WorkerView
 from indexer.wire import Keyspace, decode_view
 from kvrouter.gateway.metrics import RouterMetrics
 
-__all__ = ["WorkerDirectory"]
+__all__ = ["AllowedWorkers", "WorkerDirectory"]
 
 log = logging.getLogger(__name__)
+
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class AllowedWorkers:
+    """Where workers may live: host names and IP networks (CIDR); empty allows all."""
+
+    hosts: frozenset[str] = frozenset()
+    networks: tuple[_Network, ...] = ()
+
+    @classmethod
+    def parse(cls, entries: Sequence[str]) -> AllowedWorkers:
+        """From ``["10.0.0.0/8", "worker-0.svc", "127.0.0.1"]``; raises ValueError."""
+        hosts, networks = set(), []
+        for entry in entries:
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                if not entry or "/" in entry:
+                    raise ValueError(f"not a host name or a network: {entry!r}") from None
+                hosts.add(entry.lower().rstrip("."))
+        return cls(frozenset(hosts), tuple(networks))
+
+    def __bool__(self) -> bool:
+        return bool(self.hosts or self.networks)
+
+    def allows(self, url: str) -> bool:
+        """Whether ``url``'s host is allowed (always, when nothing is configured)."""
+        if not self:
+            return True
+        host = (urlsplit(url).hostname or "").lower().rstrip(".")
+        if host in self.hosts:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in net for net in self.networks)
 
 
 @dataclass(slots=True)
@@ -55,6 +101,8 @@ class WorkerDirectory:
     http: httpx.AsyncClient | None = None
     interval_s: float = 0.5
     grace_s: float = 5.0
+    internal_token: str | None = None
+    allowed: AllowedWorkers = field(default_factory=AllowedWorkers)
     clock: Callable[[], float] = time.time
     views: dict[str, WorkerView] = field(default_factory=dict)
     benched: dict[str, float] = field(default_factory=dict)
@@ -139,10 +187,12 @@ class WorkerDirectory:
     async def _from_static(self) -> dict[str, WorkerView]:
         assert self.http is not None
         http = self.http
+        token = self.internal_token
+        headers = {"authorization": f"Bearer {token}"} if token else {}
 
         async def one(url: str) -> WorkerView | None:
             try:
-                r = await http.get(f"{url.rstrip('/')}/worker/view", timeout=2.0)
+                r = await http.get(f"{url.rstrip('/')}/worker/view", timeout=2.0, headers=headers)
                 r.raise_for_status()
                 view = msgspec.json.decode(r.content, type=WorkerView)
             except (httpx.HTTPError, msgspec.MsgspecError):
@@ -160,13 +210,15 @@ class WorkerDirectory:
             reason = f"block size {view.block_size} != the gateway's {self.block_size}"
         elif view.model not in self.models:
             reason = f"model {view.model!r} has no tokenizer here (serving {sorted(self.models)})"
+        elif not self.allowed.allows(view.url):
+            reason = "its address is outside the allowed worker hosts and networks"
         if reason is None:
             return True
         key = (view.host, reason)
         if key not in self.refused:
             self.refused.add(key)
             log.error("refusing worker %s at %s: %s", view.host, view.url, reason)
-            label = "block_size" if reason.startswith("block") else "model"
+            label = {"block": "block_size", "model": "model"}.get(reason.split()[0], "address")
             self.metrics.worker_refused.labels(view.host, label).inc()
         return False
 

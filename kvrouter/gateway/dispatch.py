@@ -1,12 +1,21 @@
 """Sending a routed request to a worker, with retries before the first byte.
 
-Candidates come best first (``Decision.ranked()``). A connection error, a
-timeout or a 5xx before the worker's first byte moves on to the next one
-(at most ``max_attempts``); a worker that refused the connection is benched
-until it heartbeats again. A worker's 4xx is the client's problem and is
-passed through as is. Once the first byte reached the client the stream is
-committed: a failure after it ends the stream with an OpenAI-style error
-event and ``data: [DONE]``.
+Candidates come best first (``Decision.ranked()``). Only an attempt that
+provably did not start moves on to the next candidate (at most
+``max_attempts``): the connection failed or the request could not be sent,
+or the worker answered 503 (draining, or its engine is down). A worker that
+refused the connection is benched until it heartbeats again.
+
+A streaming request is also retried when the worker fails after taking it
+but before its first byte (a read error or timeout, another 5xx): nothing
+reached the client, and closing the connection aborts the first attempt on
+its worker, so the client still gets exactly one answer. A non-streaming
+request is not: a worker that failed while generating it answers 502 (504
+on a timeout), so a request is never generated twice. A worker's 4xx is the
+client's problem and is passed through as is, like a non-streaming 5xx.
+Once the first byte reached the client the stream is committed: a failure
+after it ends the stream with an OpenAI-style error event and
+``data: [DONE]``.
 
 Every attempt holds a :class:`~kvrouter.gateway.load.Ticket` on its worker,
 released exactly once whatever happens (success, error, client gone).
@@ -46,10 +55,14 @@ class Upstream:
     first_byte_at: float
 
     async def close(self) -> None:
-        """Release the connection and the load ticket."""
-        if self.response is not None:
-            await self.response.aclose()
+        """Release the load ticket, then the connection (idempotent; never raises)."""
         self.ticket.end()
+        response, self.response = self.response, None
+        if response is not None:
+            try:
+                await response.aclose()
+            except (httpx.HTTPError, OSError) as exc:
+                log.debug("closing the stream from %s: %s", self.worker, exc)
 
 
 class Dispatcher:
@@ -133,10 +146,13 @@ class Dispatcher:
             resp = await self.http.send(req, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _RetryableError("connect", str(exc) or type(exc).__name__) from exc
+        except (httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
+            raise _RetryableError("send", str(exc) or type(exc).__name__) from exc
         except httpx.TransportError as exc:
+            _started(exc, whole)
             raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
         try:
-            if resp.status_code >= 500:
+            if resp.status_code == 503 or (resp.status_code >= 500 and not whole):
                 text = (await resp.aread())[:200].decode(errors="replace")
                 raise _RetryableError("5xx", f"HTTP {resp.status_code}: {text}")
             if whole or resp.status_code >= 400:
@@ -158,10 +174,25 @@ class Dispatcher:
             raise
         except httpx.TransportError as exc:
             await resp.aclose()
+            _started(exc, whole)
             raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
         except BaseException:
             await resp.aclose()
             raise
+
+
+def _started(exc: httpx.TransportError, whole: bool) -> None:
+    """A non-streaming request failed after its worker took it: answer, never retry."""
+    if not whole:
+        return
+    timeout = isinstance(exc, httpx.TimeoutException)
+    raise ApiError(
+        504 if timeout else 502,
+        f"the worker failed while generating the answer ({type(exc).__name__}); "
+        "it was not retried, so that it is never generated twice",
+        type_="server_error",
+        code="upstream_timeout" if timeout else "upstream_failed",
+    ) from exc
 
 
 class _RetryableError(Exception):

@@ -60,7 +60,7 @@ class RouterMetrics:
             namespace=ns, registry=registry,
         )  # fmt: skip
         self.worker_refused = Counter(
-            "worker_refused", "Workers refused at discovery (block size or model mismatch)",
+            "worker_refused", "Workers refused at discovery (block size, model or address)",
             ["worker", "reason"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.in_flight = Gauge(
@@ -89,5 +89,21 @@ class RouterMetrics:
         )  # fmt: skip
         self.auth_failures = Counter(
             "auth_failures", "Requests refused for a missing or bad API key",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "rate_limited", "Requests refused with 429 by a per-client rate limit",
+            ["limit"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.admission_rejected = Counter(
+            "admission_rejected", "Requests refused with 429: predicted TTFT over the bound",
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.client_gone = Counter(
+            "client_disconnects", "Clients that left before their answer ended, by stage",
+            ["stage"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.draining = Gauge(
+            "draining", "1 while this replica drains for shutdown (not ready)",
             namespace=ns, registry=registry,
         )  # fmt: skip

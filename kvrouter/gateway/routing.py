@@ -115,6 +115,12 @@ class Router:
             ids = mt.tokenizer.encode(body.prompt)
         else:
             ids = list(body.prompt)  # type: ignore[arg-type]
+            vocab = mt.tokenizer.vocab_size
+            if any(t >= vocab for t in ids):
+                raise ApiError(
+                    400, f"prompt token ids must be < {vocab}, the size of `{body.model}`'s "
+                    "vocabulary", param="prompt", code="invalid_token_id",
+                )  # fmt: skip
         if len(ids) > self.max_prompt_tokens:
             raise ApiError(
                 400,
@@ -165,11 +171,16 @@ class Router:
         body: CompletionRequest | ChatCompletionRequest,
         request_id: str,
         session_id: str | None = None,
+        *,
+        ids: list[int] | None = None,
     ) -> Routed:
-        """Decide where ``body`` goes; raises ApiError (404 model, 400 prompt, 503 no worker)."""
+        """Decide where ``body`` goes; raises ApiError (404 model, 400 prompt, 503 no worker).
+
+        ``ids``: the prompt's token ids when the caller has tokenized it already.
+        """
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        ids = self.tokenize(body)
+        ids = self.tokenize(body) if ids is None else ids
         t1 = time.perf_counter()
         timings["tokenize"] = t1 - t0
         keys = block_keys(ids, self.block_size, self._root(body.model, body.cache_salt or ""))

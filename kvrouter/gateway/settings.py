@@ -35,7 +35,11 @@ class RouterSettings(BaseSettings):
         2.0, gt=0, description="kv_ttft: how long a routed prefix counts before its events land"
     )
     api_keys: list[SecretStr] = Field(default_factory=list, description="client Bearer keys")
-    internal_token: SecretStr | None = Field(None, description="token for worker /kv endpoints")
+    internal_token: SecretStr | None = Field(None, description="the workers' internal token")
+    allowed_workers: list[str] = Field(
+        default_factory=list,
+        description="host names and networks (CIDR) workers may live at; empty = any",
+    )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_prompt_tokens: int = Field(131072, ge=1)
     max_attempts: int = Field(3, ge=1, le=10, description="dispatch attempts before the first byte")
@@ -53,9 +57,37 @@ class RouterSettings(BaseSettings):
     pooling: bool = Field(
         False, description="kv_ttft: pull a longer cached prefix from a peer when that is faster"
     )
+    drain_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long in-flight streams may finish (not ready)"
+    )
+    unready_grace_s: float = Field(
+        0.0, ge=0, description="on SIGTERM: serve on, not ready, this long before draining"
+    )
+    max_sessions: int = Field(100_000, ge=0, description="session-affinity entries kept")
+    session_ttl_s: float = Field(600.0, gt=0, description="how long a session's worker is kept")
+    rate_limit_rps: float = Field(
+        0.0, ge=0, description="requests/s per API key over all replicas (0 = no limit)"
+    )
+    rate_limit_tpm: float = Field(
+        0.0, ge=0, description="tokens/minute (prompt + max_tokens) per API key (0 = no limit)"
+    )
+    rate_limit_burst_s: float = Field(
+        1.0, gt=0, description="bucket depth: how many seconds of the rate may come at once"
+    )
+    admission_max_ttft_s: float | None = Field(
+        None, gt=0, description="429 when the best predicted TTFT is over this (off: None)"
+    )
     seed: int = 0
 
-    @field_validator("workers", "models", "api_keys", mode="before")
+    @field_validator("allowed_workers")
+    @classmethod
+    def _valid_networks(cls, v: list[str]) -> list[str]:
+        from kvrouter.gateway.discovery import AllowedWorkers
+
+        AllowedWorkers.parse(v)
+        return v
+
+    @field_validator("workers", "models", "api_keys", "allowed_workers", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         if isinstance(v, str):

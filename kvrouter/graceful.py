@@ -1,0 +1,71 @@
+"""Serving an app with uvicorn so that SIGTERM drains instead of cutting.
+
+On the first SIGTERM or SIGINT the app's drain hook runs first
+(``app.state.drain``, an async callable its lifespan installs: a worker
+withdraws its heartbeat and refuses new requests with 503, a gateway turns
+``/ready`` false). Then uvicorn stops accepting connections and lets the
+requests in flight, streams included, finish for up to ``drain_s`` seconds
+before it cancels them and runs the lifespan's shutdown. A second signal
+skips the wait; a third forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+from starlette.applications import Starlette
+
+__all__ = ["DrainingServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains the app first."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self.app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Run until told to exit (remembers its loop for the signal handler)."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain, then exit; later ones: uvicorn's (exit now, then force)."""
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        log.info("signal %d: draining before shutdown", sig)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        hook: Callable[[], Awaitable[None]] | None = getattr(self.app.state, "drain", None)
+        try:
+            if hook is not None:
+                await hook()
+        except Exception:
+            log.exception("the drain hook failed; shutting down anyway")
+        finally:
+            self.should_exit = True
+
+
+def serve(app: Starlette, *, host: str, port: int, drain_s: float) -> None:
+    """Serve ``app`` until a signal, draining in-flight requests for up to ``drain_s``."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=None, timeout_graceful_shutdown=max(1, round(drain_s))
+    )
+    DrainingServer(config, app).run()
