@@ -6,6 +6,7 @@ it through a command queue:
 
     server coroutine --submit/abort/call--> command queue --> engine thread
     engine thread --tokens--> per-request asyncio.Queue (call_soon_threadsafe)
+    engine thread --load after each step, and after requests come or go--> on_step/on_change
     engine thread --pool events, snapshots--> EventSink (the publisher), in order
 
 Between two steps the thread applies commands (new requests, aborts,
@@ -101,6 +102,7 @@ class EngineLoop:
         sink: EventSink | None = None,
         time_scale: float = 1.0,
         on_step: Callable[[StepRecord], None] | None = None,
+        on_change: Callable[[], None] | None = None,
         idle_wait_s: float = 0.05,
     ) -> None:
         self.scheduler = scheduler
@@ -108,7 +110,9 @@ class EngineLoop:
         self.sink = sink
         self.time_scale = time_scale
         self.on_step = on_step
+        self.on_change = on_change
         self.idle_wait_s = idle_wait_s
+        self._changed = False
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._consumers: dict[str, _Consumer] = {}
         self._thread: threading.Thread | None = None
@@ -200,6 +204,8 @@ class EngineLoop:
         )
 
     def _apply(self, cmd: _Command) -> None:
+        if cmd.kind in ("add", "abort"):
+            self._changed = True
         if cmd.request is not None and cmd.consumer is not None:
             self._add(cmd.request, cmd.consumer)
         elif cmd.kind == "abort":
@@ -240,6 +246,11 @@ class EngineLoop:
             self._flush_events()
             while not self._stop.is_set():
                 self._drain(block=not self.scheduler.has_work())
+                if self._changed and self.on_change is not None:
+                    # Requests came or went: the published load must say so now, not
+                    # after the next step (an idle engine has none).
+                    self._changed = False
+                    self.on_change()
                 if self.scheduler.has_work():
                     self._step()
                 self._flush_events()

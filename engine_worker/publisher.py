@@ -103,6 +103,9 @@ class EventPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._healthy = True
         self._task: asyncio.Task[None] | None = None
+        # Held while a chunk is in flight: the task and a final flush never send the
+        # same chunk twice, nor pop what the other already popped.
+        self._sending = asyncio.Lock()
 
     # -- EventSink (engine thread) ------------------------------------------------------------
 
@@ -135,15 +138,20 @@ class EventPublisher:
         self._wake.set()
 
     async def stop(self, flush_timeout: float = 2.0) -> None:
-        """Send what is pending (best effort, bounded), then stop."""
+        """Stop the task (after the chunk it may be sending), then send what is pending
+        (best effort, bounded)."""
         if self._task is None:
             return
+        task, self._task = self._task, None
         try:
-            await asyncio.wait_for(self.flush(), flush_timeout)
+            async with asyncio.timeout(flush_timeout):
+                async with self._sending:
+                    await cancel_and_wait([task])
+                await self.flush()
         except (TimeoutError, RedisError, OSError):
             log.warning("publisher %s stopped with %d batches unsent", self.host, len(self._outbox))
-        await cancel_and_wait([self._task])
-        self._task = None
+        finally:
+            await cancel_and_wait([task])
 
     async def flush(self) -> None:
         """Form batches from everything queued and send them now."""
@@ -213,6 +221,10 @@ class EventPublisher:
         self.stats.buffered = len(self._outbox)
 
     async def _send_outbox(self) -> None:
+        async with self._sending:
+            await self._send_locked()
+
+    async def _send_locked(self) -> None:
         if not self._outbox:
             return
         try:

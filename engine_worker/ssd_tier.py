@@ -100,6 +100,19 @@ def _record(op: int, slot: int, key: int, parent: int) -> bytes:
     return body + _checksum(body)
 
 
+#: Never follow a symlink planted where a tier file goes (it could point anywhere).
+_PRIVATE = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _read_private(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | _PRIVATE)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 class SSDTier:
     """Positional block I/O into the slot file, plus the journal that survives restarts.
 
@@ -121,7 +134,7 @@ class SSDTier:
         if not 0 < num_slots <= _MAX_SLOTS:
             raise ManifestError(f"SSD slot count must be in [1, {_MAX_SLOTS}], got {num_slots}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.block_bytes = layout.block_bytes
         self.num_slots = num_slots
         self._layout = layout
@@ -131,14 +144,15 @@ class SSDTier:
         manifest = self.path / MANIFEST_FILE
         slots = self.path / SLOTS_FILE
         size = num_slots * self.block_bytes
-        self._fd = os.open(slots, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(slots, os.O_RDWR | os.O_CREAT | _PRIVATE, 0o600)
         try:
+            os.fchmod(self._fd, 0o600)  # KV bytes derive from prompts: owner only
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise ManifestError(f"SSD tier {self.path} is in use by another pool") from None
             if manifest.exists():
-                self._replay(manifest.read_bytes())
+                self._replay(_read_private(manifest))
                 if os.fstat(self._fd).st_size != size:
                     raise ManifestError(
                         f"{slots} has {os.fstat(self._fd).st_size} bytes, the journal says {size}"
@@ -148,7 +162,8 @@ class SSDTier:
                 with contextlib.suppress(OSError):
                     os.posix_fallocate(self._fd, 0, size)
                 self._rewrite()
-            self._log = os.open(manifest, os.O_WRONLY | os.O_APPEND)
+            self._log = os.open(manifest, os.O_WRONLY | os.O_APPEND | _PRIVATE)
+            os.fchmod(self._log, 0o600)
         except BaseException:
             os.close(self._fd)
             raise
@@ -272,7 +287,7 @@ class SSDTier:
         for e in self._live.values():
             op = _SET if e.parent is not None else _SET_ROOTLESS
             parts.append(_record(op, e.slot, e.key, e.parent or 0))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _PRIVATE, 0o600)
         try:
             view = memoryview(b"".join(parts))
             while len(view):
@@ -286,4 +301,4 @@ class SSDTier:
     def _compact(self) -> None:
         self._rewrite()
         os.close(self._log)
-        self._log = os.open(self.path / MANIFEST_FILE, os.O_WRONLY | os.O_APPEND)
+        self._log = os.open(self.path / MANIFEST_FILE, os.O_WRONLY | os.O_APPEND | _PRIVATE)

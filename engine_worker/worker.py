@@ -91,7 +91,11 @@ class Worker:
         self.started_at = time.time()
         self.state = EngineState()
         self.engine = EngineLoop(
-            scheduler, runner, time_scale=settings.time_scale, on_step=self._on_step
+            scheduler,
+            runner,
+            time_scale=settings.time_scale,
+            on_step=self._on_step,
+            on_change=lambda: self._refresh_state(self.scheduler),
         )
         self.redis: aioredis.Redis | None = None
         self.publisher: EventPublisher | None = None
@@ -116,6 +120,8 @@ class Worker:
         self._lease_task: asyncio.Task[None] | None = None
         self._published = (0, 0, 0)
         self._registered = False
+        #: Set on SIGTERM: new generation requests get 503 (routers retry them elsewhere).
+        self.draining = False
 
     # -- construction -------------------------------------------------------------------------
 
@@ -247,25 +253,59 @@ class Worker:
         if self.presence is not None:
             self.presence.start()
 
-    async def stop(self) -> None:
-        """Stop serving: heartbeat first (routers drop us), then the engine, then publishing."""
+    async def drain(self) -> None:
+        """Withdraw before shutdown: heartbeat gone (routers drop us), new requests 503.
+
+        Requests in flight go on; PD leases stay pullable until they end or expire.
+        """
+        if not self.draining:
+            log.info("worker %s: draining (%d requests in flight)", self.name, self.in_flight)
+        self.draining = True
         if self.presence is not None:
             await self.presence.stop()
-        await self.kv_server.stop()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running or waiting, as of the engine's last change."""
+        return self.state.load.running + self.state.load.waiting
+
+    async def stop(self) -> None:
+        """Stop serving: heartbeat first (routers drop us), then the engine, then publishing.
+
+        Every step runs whatever the ones before it raised: Redis and the SSD tier
+        are always closed.
+        """
+        steps = [
+            self.drain,
+            self.kv_server.stop,
+            self._stop_lease_task,
+            self._stop_engine,
+            self.puller.aclose,
+            *([self.publisher.stop] if self.publisher is not None else []),
+            *([self.redis.aclose] if self.redis is not None else []),
+        ]
+        errors = []
+        for step in steps:
+            try:
+                await step()
+            except Exception as exc:
+                log.exception("worker %s: stopping failed at %s", self.name, step)
+                errors.append(exc)
+        if self.storage is not None:
+            self.storage.close()
+        if errors:
+            raise errors[0]
+
+    async def _stop_lease_task(self) -> None:
         if self._lease_task is not None:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._lease_task
+
+    async def _stop_engine(self) -> None:
         if self.engine.alive:
             await self.engine.acall(self.leases.release_all)
         await asyncio.to_thread(self.engine.stop)
-        await self.puller.aclose()
-        if self.publisher is not None:
-            await self.publisher.stop()
-        if self.redis is not None:
-            await self.redis.aclose()
-        if self.storage is not None:
-            self.storage.close()
 
     # -- KV transfer ----------------------------------------------------------------------------
 
