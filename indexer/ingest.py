@@ -27,6 +27,10 @@ index, :mod:`indexer.index.base`):
 * positions are written after the apply, so a restarted ingester re-reads
   at most one round (duplicates); a stream trimmed past a position shows
   up as a seq gap, which asks for a snapshot;
+* once a position is written, what the stream holds before it has been
+  applied and is trimmed (``XTRIM MINID ~``, ``trim_consumed``): streams stay
+  as long as the ingester's lag, not as long as their length cap, so Redis
+  memory does not grow with the traffic served;
 * a lost Redis (restart without persistence) resets the index's cursors:
   every host's next batch is a gap, and snapshots rebuild the index; the
   ingester notices the loss (marker key gone, leases gone) and reads the
@@ -96,6 +100,7 @@ class IngestConfig:
             one snapshot per host per quiet period; 0 turns it off.
         hold_limit: Batches held per host while it waits for a snapshot.
         control_maxlen: Approximate length cap of a control stream.
+        trim_consumed: Trim each event stream up to its persisted position.
         backoff_max_s: Longest wait between retries while Redis fails.
     """
 
@@ -109,6 +114,7 @@ class IngestConfig:
     quiet_snapshot_s: float = 10.0
     hold_limit: int = 10_000
     control_maxlen: int = 100
+    trim_consumed: bool = True
     backoff_max_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -338,6 +344,13 @@ class Ingester:
         await self._client.hset(self._pos_key, mapping=dirty)  # type: ignore[arg-type]
         for host in dirty:
             self._hosts[host].dirty = False
+        if self.config.trim_consumed:
+            # Only after the positions are durable: a restart or a lease handover reads
+            # from them, and everything before them is applied already.
+            pipe = self._client.pipeline(transaction=False)
+            for host, pos in dirty.items():
+                pipe.xtrim(self._hosts[host].stream, minid=pos, approximate=True)
+            await pipe.execute()
 
     async def _purge_dead(self, client: Client, now: float) -> None:
         states = [st for st in self._hosts.values() if not st.purged]

@@ -228,6 +228,36 @@ async def test_a_restarted_ingester_resumes_where_it_stopped(
     await index.close()
 
 
+async def test_applied_entries_are_trimmed_from_the_stream(
+    redis_url: str, client: aioredis.Redis
+) -> None:
+    """Streams stay as long as the ingester's lag, not their length cap: what is applied
+    and persisted is trimmed, and a restarted ingester resumes without a gap."""
+    await register(client, "a")
+    n = 600
+    await add(
+        client, "a", Snapshot("a", EPOCH, 0, time.time(), {HBM: [1]}),
+        *(batch("a", i, stored(1000 + i)) for i in range(1, n + 1)),
+    )  # fmt: skip
+    assert await client.xlen(KS.events("a")) == n + 1
+    index = new_index("redis", redis_url)
+    async with running(redis_url, index, fast_config()) as ing:
+        await eventually(lambda: ing.metrics.batch_count("applied") == n, what="all applied")
+
+        async def trimmed() -> bool:
+            # Approximate trimming drops whole stream nodes (100 entries by default).
+            return int(await client.xlen(KS.events("a"))) <= 100
+
+        await eventually(trimmed, what="the applied entries trimmed")
+        assert len((await index.entries("a"))[HBM]) == n + 1
+    async with running(redis_url, index, fast_config()) as ing:
+        await add(client, "a", batch("a", n + 1, stored(7)))
+        await eventually(lambda: ing.metrics.batch_count("applied") == 1)
+        assert ing.metrics.batch_count("gap") == 0
+        assert 7 in (await index.entries("a"))[HBM]
+    await index.close()
+
+
 async def test_a_stream_trimmed_past_the_position_asks_for_a_snapshot(
     redis_url: str, client: aioredis.Redis
 ) -> None:
