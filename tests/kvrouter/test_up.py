@@ -93,6 +93,40 @@ def test_up_serves_and_ctrl_c_stops_every_process(
     assert wait_gone(processes) == []
 
 
+def test_up_keeps_secrets_off_command_lines_and_workers_behind_a_token(
+    started: tuple[subprocess.Popen[bytes], int, Path], tmp_path: Path
+) -> None:
+    """Every local user can read /proc/PID/cmdline: the Redis URL (it may hold a password)
+    and the internal token must not be there, and a worker port must not serve without it."""
+    proc, _, log = started
+    processes = child_pids(log)
+    token_file = tmp_path / "logs" / "internal-token"
+    token = token_file.read_text()
+    assert len(token) >= 24
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    for pid in processes:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "redis://" not in cmdline or cmdline.startswith("redis-server"), cmdline
+        assert token not in cmdline
+    worker_ports = [
+        int(args[args.index("--port") + 1])
+        for pid in processes
+        if "worker" in (args := Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+    ]
+    assert len(worker_ports) == 2
+    for wport in worker_ports:
+        url = f"http://127.0.0.1:{wport}"
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=10).status_code == 401
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        auth = {"authorization": f"Bearer {token}"}
+        assert httpx.get(f"{url}/v1/models", headers=auth, timeout=10).status_code == 200
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    assert wait_gone(processes) == []
+
+
 def test_killing_up_takes_its_children_with_it(
     started: tuple[subprocess.Popen[bytes], int, Path],
 ) -> None:
