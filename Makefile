@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup run test test-fast lint bench chaos soak clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m kvrouter.bench.micro
+
+# The long reliability runs (`make test` runs short versions): figures land in var/chaos/.
+chaos: $(STAMP)
+	KVROUTER_CHAOS=long KVROUTER_CHAOS_OUT=var/chaos $(BIN)/python -m pytest tests/chaos -m chaos -k "not soak" $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	KVROUTER_SOAK_S=600 KVROUTER_CHAOS_OUT=var/chaos $(BIN)/python -m pytest tests/chaos/test_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
