@@ -18,9 +18,12 @@ failed a dispatch (connection refused, timeout) is benched until a heartbeat
 newer than the failure shows it alive again.
 
 A worker whose registry entry exists but whose heartbeat expired is gone
-at once. A worker missing from the registry itself (Redis restarted and
-lost its data; workers re-register on their next beat) is kept for
-``grace_s``, so a Redis restart never empties the pool.
+at once, unless Redis itself was unreachable within the last ``grace_s``:
+heartbeats cannot be renewed through an outage, so they all expire during
+one, and the workers beat again right after it. A worker missing from the
+registry itself (Redis restarted and lost its data; workers re-register on
+their next beat) is kept for ``grace_s`` too, so neither a Redis outage nor
+a restart ever empties the pool.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ class WorkerDirectory:
     refused: set[tuple[str, str]] = field(default_factory=set)
     last_seen: dict[str, float] = field(default_factory=dict)
     redis_ok: bool = True
+    #: When the last Redis outage ended (monotonic), None if there was none.
+    recovered_at: float | None = None
     _task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -140,11 +145,16 @@ class WorkerDirectory:
                 self.redis_ok = False
                 found.update(self.views)
             else:
+                if not self.redis_ok:
+                    self.recovered_at = now
                 self.redis_ok = True
                 found.update(beating)
+                outage = self.recovered_at is not None and now - self.recovered_at < self.grace_s
                 for host, view in self.views.items():
-                    lost = host not in registered and host not in found
-                    if lost and now - self.last_seen.get(host, now) < self.grace_s:
+                    if host in found:
+                        continue
+                    recently = now - self.last_seen.get(host, now) < self.grace_s
+                    if outage or (host not in registered and recently):
                         found[host] = view
                 for host in beating:
                     self.last_seen[host] = now

@@ -26,6 +26,7 @@ from kvrouter.policy_factory import build_policy
 from policies.base import Decision
 from tests.support.cluster import worker_settings
 from tests.support.servers import serve_app
+from tests.support.tcp_proxy import TcpProxy
 
 
 async def test_replicas_share_load_and_a_dead_replicas_counts_expire(redis_url: str) -> None:
@@ -121,6 +122,44 @@ async def test_a_wiped_registry_keeps_known_workers_for_a_grace_period(redis_url
     await d.refresh()
     assert d.routable("tiny") == []
     await client.aclose()
+
+
+async def test_workers_stay_routable_while_their_heartbeats_recover_from_a_redis_outage(
+    redis_url: str,
+) -> None:
+    """Heartbeats cannot be renewed through a Redis outage, so they have all expired when
+    it ends; the workers beat again right after. Known workers must stay routable through
+    that moment (the chaos run saw 503 no_worker there), and go if they never come back."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    admin = aioredis.Redis.from_url(redis_url)
+    ks = Keyspace()
+    view = WorkerView(host="w", url="http://w", model="tiny", block_size=16, ts=time.time())
+    await admin.hset(ks.hosts, "w", 1)
+    await admin.set(ks.heartbeat("w"), encode_view(view), px=60_000)
+    with TcpProxy(host, int(port)) as proxy:
+        client = aioredis.Redis.from_url(
+            f"redis://{proxy.address}", socket_timeout=0.5, socket_connect_timeout=0.5
+        )
+        d = WorkerDirectory(
+            metrics=RouterMetrics(CollectorRegistry()), block_size=16, models={"tiny"},
+            client=client, grace_s=0.5,
+        )  # fmt: skip
+        await d.refresh()
+        assert [v.host for v in d.routable("tiny")] == ["w"]
+        proxy.set_refusing(True)
+        proxy.cut()
+        await d.refresh()
+        assert [d.redis_ok] == [False]
+        await admin.delete(ks.heartbeat("w"))  # it expired during the outage
+        proxy.heal()
+        await d.refresh()
+        assert [d.redis_ok] == [True]
+        assert [v.host for v in d.routable("tiny")] == ["w"]
+        await asyncio.sleep(0.55)
+        await d.refresh()
+        assert d.routable("tiny") == []  # it never beat again: gone
+        await client.aclose()
+    await admin.aclose()
 
 
 def test_static_discovery_reads_the_workers_view(redis_url: str) -> None:
