@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["RouterSettings"]
 
@@ -21,22 +22,26 @@ class RouterSettings(BaseSettings):
 
     bind: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    models: list[str] = Field(
+    models: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["smollm2"],
         description="model specs whose tokenizers the gateway loads (smollm2, tiny, a path)",
     )
     redis_url: str | None = Field(None, description="Redis of the index and the registry")
     key_prefix: str = "kvr"
-    workers: list[str] = Field(default_factory=list, description="static worker base URLs")
+    workers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="static worker base URLs"
+    )
     block_size: int = Field(16, ge=1, le=1024)
     policy: str = "kv_ttft"
     fallback_policy: str = Field("least_load", description="routing while the index is away")
     speculative_ttl_s: float = Field(
         2.0, gt=0, description="kv_ttft: how long a routed prefix counts before its events land"
     )
-    api_keys: list[SecretStr] = Field(default_factory=list, description="client Bearer keys")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="client Bearer keys"
+    )
     internal_token: SecretStr | None = Field(None, description="the workers' internal token")
-    allowed_workers: list[str] = Field(
+    allowed_workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="host names and networks (CIDR) workers may live at; empty = any",
     )
@@ -90,6 +95,12 @@ class RouterSettings(BaseSettings):
     @field_validator("workers", "models", "api_keys", "allowed_workers", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
+        """A list from the environment: a JSON array, or comma-separated values."""
         if isinstance(v, str):
+            if v.lstrip().startswith("["):
+                try:
+                    return json.loads(v)
+                except ValueError as exc:
+                    raise ValueError(f"not a JSON array: {exc}") from exc
             return [x.strip() for x in v.split(",") if x.strip()]
         return v

@@ -22,6 +22,7 @@ from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import ModelTokens, Router
+from kvrouter.gateway.settings import RouterSettings
 from kvrouter.policy_factory import build_policy
 from policies.base import Decision
 from tests.support.cluster import worker_settings
@@ -232,3 +233,21 @@ async def test_a_burst_whose_lookups_overlap_sees_each_others_load(redis_url: st
     assert set(chosen) == {"w0", "w1"}, chosen
     # Every worker got the whole prompt once and then only suffixes behind it.
     assert sorted(load.load(w).queued_tokens for w in ("w0", "w1"))[0] >= len(system)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("smollm2,tiny", ["smollm2", "tiny"]), ('["smollm2", "tiny"]', ["smollm2", "tiny"])],
+)
+def test_list_settings_come_from_the_environment_as_commas_or_json(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: list[str]
+) -> None:
+    """The README documents comma lists; the Helm chart renders JSON arrays: both work."""
+    monkeypatch.setenv("KVROUTER_MODELS", raw)
+    monkeypatch.setenv("KVROUTER_API_KEYS", raw)
+    settings = RouterSettings()
+    assert settings.models == expected
+    assert [k.get_secret_value() for k in settings.api_keys] == expected
+    monkeypatch.setenv("KVROUTER_MODELS", "[not json")
+    with pytest.raises(ValueError, match="not a JSON array"):
+        RouterSettings()
