@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
@@ -37,7 +37,10 @@ from engine_worker.kv_transfer import (
 )
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.scheduler import Scheduler
-from engine_worker.tiers import TierStorage, TransferStat
+from engine_worker.transfer_stat import TransferStat
+
+if TYPE_CHECKING:
+    from engine_worker.tiers import TierStorage
 
 __all__ = ["KvPuller", "PullResult"]
 

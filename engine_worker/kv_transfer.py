@@ -40,14 +40,17 @@ import math
 import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import xxhash
 
 from engine_worker.block_pool import BlockPool
 from engine_worker.kv_layout import DTYPE_SIZES, KVLayout
-from engine_worker.tiers import TierStorage
 from indexer.media import Medium
+
+if TYPE_CHECKING:
+    from engine_worker.tiers import TierStorage
 
 __all__ = [
     "MAGIC",

@@ -15,12 +15,11 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine_worker.http_errors import error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError, encode_transfer
 from engine_worker.metrics import WorkerMetrics
@@ -33,46 +32,6 @@ from engine_worker.worker import Worker
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
-
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "NotFoundError",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    503: "service_unavailable",
-}
-
-
-def _error(status: int, message: str, **kw: Any) -> JSONResponse:
-    err = ApiError(status, message, type_=_STATUS_TYPES.get(status, "server_error"), **kw)
-    return JSONResponse(err.body(), status_code=status)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """OpenAI-shaped errors for every failure path (shared by the worker and the gateway)."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return _error(400, "The request body is not valid JSON.")
-        msg = first.get("msg", "invalid request")
-        where = ".".join(loc)
-        return _error(400, f"{where}: {msg}" if where else msg, param=where or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
 
 
 def get_worker(request: Request) -> Worker:
@@ -177,7 +136,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     async def health(request: Request) -> Response:
         worker: Worker = request.state.worker
         if not worker.engine.alive:
-            return _error(503, "the engine is not running")
+            return error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok", "worker": worker.name, "time": now_s()})
 
     @app.get("/metrics")

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -34,7 +35,6 @@ from engine_worker.runners.base import Runner
 from engine_worker.runners.sim import SimRunner
 from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad
 from engine_worker.settings import WorkerSettings
-from engine_worker.tiers import TierStorage
 from engine_worker.tokenizer import Tokenizer, load_tokenizer
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
@@ -42,6 +42,9 @@ from indexer.profile import TimingProfile
 from indexer.registry import RedisHostRegistry
 from indexer.views import WorkerView
 from indexer.wire import Keyspace
+
+if TYPE_CHECKING:
+    from engine_worker.tiers import TierStorage
 
 __all__ = ["Worker"]
 
@@ -138,6 +141,7 @@ class Worker:
         if settings.runner == "torch":
             from engine_worker.profile_fit import ProfileFitter
             from engine_worker.runners.torch_runner import TorchRunner
+            from engine_worker.tiers import TierStorage
 
             config, model = spec.load(device=settings.device, seed=settings.seed)
             layout = config.kv_layout(settings.block_size, settings.kv_dtype)

@@ -54,10 +54,15 @@ def up(
     """Start Redis, the indexer, N workers and the gateway; Ctrl-C stops them all."""
     from rich.console import Console
 
+    from kvrouter.commands.worker import torch_missing
     from kvrouter.embedded_redis import EmbeddedRedis
     from kvrouter.logs import configure_logging
     from kvrouter.supervisor import Supervisor
 
+    problem = torch_missing(runner)
+    if problem is not None:
+        typer.echo(f"kvrouter up: {problem}", err=True)
+        raise typer.Exit(code=2)
     configure_logging("up", "info")
     console = Console(stderr=True)
     embedded = None if redis else EmbeddedRedis()

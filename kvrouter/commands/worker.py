@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-__all__ = ["register"]
+__all__ = ["register", "torch_missing"]
+
+
+def torch_missing(runner: str) -> str | None:
+    """Why ``runner`` cannot run here, or None: the torch runner needs the ``worker`` extra.
+
+    Checked before anything starts, so that a router-only install (``pip install
+    kvrouter``, the router image) says what to do instead of failing deep in start-up.
+    """
+    if runner != "torch" or importlib.util.find_spec("torch") is not None:
+        return None
+    return (
+        "the torch runner needs torch, which is not installed: "
+        "pip install 'kvrouter[worker]' (or use --runner sim)"
+    )
 
 
 def worker(
@@ -47,6 +62,10 @@ def worker(
         "profile": profile, "time_scale": time_scale, "role": role, "key_prefix": key_prefix,
     }  # fmt: skip
     settings = WorkerSettings(**{k: v for k, v in given.items() if v not in (None, "")})
+    problem = torch_missing(settings.runner)
+    if problem is not None:
+        typer.echo(f"kvrouter worker: {problem}", err=True)
+        raise typer.Exit(code=2)
     configure_logging("worker", log_level)
     serve_app(
         create_app(settings), host=settings.bind, port=settings.port, drain_s=settings.drain_s

@@ -25,12 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.types import Receive, Scope, Send
 
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
+from engine_worker.http_errors import install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
-from engine_worker.server import install_error_handlers
 from engine_worker.tokenizer import load_tokenizer
 from indexer.index.redis_index import RedisIndex
 from indexer.views import Role, WorkerView

@@ -71,11 +71,15 @@ def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> 
 
 
 class ServerProcess:
-    """A ``kvrouter`` CLI command in its own process group (killable with SIGKILL)."""
+    """A ``kvrouter`` CLI command in its own process group (killable with SIGKILL).
+
+    ``python`` is the interpreter that runs it (another venv's, say); this one by default.
+    """
 
     def __init__(self, args: Sequence[str], *, health_url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
-        self.args = [sys.executable, "-m", "kvrouter", *args]
+                 env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:  # fmt: skip
+        self.args = [python, "-m", "kvrouter", *args]
         self.health_url = health_url
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
