@@ -11,6 +11,7 @@ import typer
 from kvrouter.bench.cli import bench_app
 from kvrouter.commands import indexer as indexer_command
 from kvrouter.commands import serve as serve_command
+from kvrouter.commands import top as top_command
 from kvrouter.commands import up as up_command
 from kvrouter.commands import vllm_adapter as vllm_adapter_command
 from kvrouter.commands import worker as worker_command
@@ -37,6 +38,7 @@ serve_command.register(app)
 up_command.register(app)
 indexer_command.register(app)
 vllm_adapter_command.register(app)
+top_command.register(app)
 
 
 def main() -> None:
