@@ -5,11 +5,15 @@ index and the :class:`~indexer.ingest.Ingester`; the HTTP side serves
 ``/metrics`` (``kvindex_`` metrics of the index and the ingester),
 ``/health`` (the process is up), ``/ready`` (200 once a round reached
 Redis) and ``/status`` (hosts owned and pending). Settings come from
-``KVINDEX_*`` variables or the CLI.
+``KVINDEX_*`` variables or the CLI. A scrape also refreshes the index's
+size gauges (entries per medium, memory), at most every
+``stats_interval_s``: they are read from Redis, not counted in-process.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,12 +25,15 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from indexer.index import RedisIndex
+from indexer.index.base import KVIndexError
 from indexer.ingest import IngestConfig, Ingester, default_replica_id
 from indexer.ingest_metrics import IngestMetrics
 from indexer.metrics import IndexMetrics
 from indexer.wire import Keyspace
 
 __all__ = ["IndexerSettings", "create_app"]
+
+log = logging.getLogger(__name__)
 
 
 class IndexerSettings(BaseSettings):
@@ -47,6 +54,7 @@ class IndexerSettings(BaseSettings):
     snapshot_timeout_s: float = Field(5.0, gt=0)
     quiet_snapshot_s: float = Field(10.0, ge=0, description="tail check of quiet hosts; 0 = off")
     hold_limit: int = Field(10_000, ge=1)
+    stats_interval_s: float = Field(5.0, ge=0, description="least time between size reads")
 
     def ingest_config(self) -> IngestConfig:
         """The ingester's configuration."""
@@ -82,7 +90,7 @@ def create_app(settings: IndexerSettings, *, registry: CollectorRegistry | None 
         )
         await ingester.start()
         try:
-            yield {"ingester": ingester}
+            yield {"ingester": ingester, "index": index}
         finally:
             await ingester.stop()
             await index.close()
@@ -107,9 +115,19 @@ def create_app(settings: IndexerSettings, *, registry: CollectorRegistry | None 
         ingester: Ingester = request.state.ingester
         return ingester.status()
 
+    last_stats = [float("-inf")]
+
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         """Prometheus exposition of the ``kvindex_`` metrics."""
+        now = time.monotonic()
+        if now - last_stats[0] >= settings.stats_interval_s:
+            last_stats[0] = now
+            index: RedisIndex = request.state.index
+            try:
+                await index.stats()  # sets kvindex_entries and kvindex_memory_bytes
+            except KVIndexError as exc:
+                log.warning("index size unknown for this scrape: %s", exc)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -8,6 +8,7 @@ models; no module-level app, settings or singletons.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ from typing import Annotated, Any, TypeVar
 import httpx
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import Receive, Scope, Send
@@ -207,6 +209,17 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
 
     app = FastAPI(title="kvrouter gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    invalid = app.exception_handlers[RequestValidationError]
+    endpoints = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    async def counted_invalid(request: Request, exc: Exception) -> Response:
+        # A body that fails validation never reaches a handler: count its 400 here.
+        if (endpoint := endpoints.get(request.url.path)) is not None:
+            metrics.requests.labels(endpoint, "400", settings.policy).inc()
+        response = invalid(request, exc)
+        return await response if inspect.isawaitable(response) else response
+
+    app.add_exception_handler(RequestValidationError, counted_invalid)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     # Outermost: an unauthenticated client gets its 401 before any byte of its body is read.
     app.add_middleware(

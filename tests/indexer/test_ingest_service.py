@@ -20,7 +20,7 @@ async def test_the_service_ingests_reports_and_releases_its_hosts(redis_url: str
     port = free_port()
     settings = IndexerSettings(
         redis_url=redis_url, metrics_port=port, replica_id="svc", refresh_interval_s=0.1,
-        block_ms=50, lease_ttl_s=1.5,
+        block_ms=50, lease_ttl_s=1.5, stats_interval_s=0.0,
     )  # fmt: skip
     with serve_app(create_app(settings), port=port) as url:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
@@ -33,6 +33,9 @@ async def test_the_service_ingests_reports_and_releases_its_hosts(redis_url: str
             metrics = (await http.get("/metrics")).text
             assert 'kvindex_batches_total{result="applied"} 2.0' in metrics
             assert 'kvindex_snapshots_total{result="replaced"} 1.0' in metrics
+            # The size gauges are read from the index on scrape: 2 blocks held, in HBM.
+            assert 'kvindex_entries{medium="hbm"} 2.0' in metrics
+            assert "kvindex_memory_bytes 0.0" not in metrics
             ready = await http.get("/ready")
             assert ready.status_code == 200
             assert ready.json()["owned"] == ["a"]

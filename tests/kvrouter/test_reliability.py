@@ -397,6 +397,13 @@ def test_token_ids_outside_the_vocabulary_are_a_400_everywhere() -> None:
             assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
         scrape = httpx.get(f"{workers['w0']}/metrics").text
         assert not re.search(r"^kvworker_prompt_tokens_total [1-9]", scrape, re.M)
+        # Every 400 is counted, those refused by validation before any handler too (5 each).
+        scrape = httpx.get(f"{gw}/metrics").text
+        counted = re.search(
+            r'^kvrouter_requests_total\{[^}]*status="400"[^}]*\} (\S+)$', scrape, re.M
+        )
+        assert counted is not None
+        assert float(counted.group(1)) == 5
 
 
 # -- admission control and rate limits ---------------------------------------------------------
