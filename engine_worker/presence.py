@@ -23,9 +23,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import CONTROL_FIELD, OP_SNAPSHOT, Keyspace, encode_view
@@ -40,7 +40,7 @@ class Presence:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         host: str,
         view: Callable[[], WorkerView],
         on_snapshot_request: Callable[[], None],

@@ -27,10 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from indexer.events import AllCleared, BlockStored, Event, EventBatch, Snapshot, encode_message
+from indexer.ingest_reader import Client as RedisClient
 from indexer.media import Medium
 from indexer.tasks import cancel_and_wait
 from indexer.wire import EVENT_FIELD, Keyspace
@@ -67,7 +67,7 @@ class EventPublisher:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         host: str,
         *,
         keyspace: Keyspace | None = None,

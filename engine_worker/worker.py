@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
-
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, StepRecord
@@ -36,6 +34,7 @@ from engine_worker.runners.sim import SimRunner
 from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad
 from engine_worker.settings import WorkerSettings
 from engine_worker.tokenizer import Tokenizer, load_tokenizer
+from indexer.ingest_reader import Client, client_for
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
 from indexer.profile import TimingProfile
@@ -100,7 +99,7 @@ class Worker:
             on_step=self._on_step,
             on_change=lambda: self._refresh_state(self.scheduler),
         )
-        self.redis: aioredis.Redis | None = None
+        self.redis: Client | None = None
         self.publisher: EventPublisher | None = None
         self.presence: Presence | None = None
         self._roots: dict[str, int] = {}
@@ -209,9 +208,7 @@ class Worker:
     async def start(self) -> None:
         """Start the engine thread and, with Redis, the publisher and heartbeat."""
         if self.settings.redis_url:
-            self.redis = aioredis.Redis.from_url(
-                self.settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-            )
+            self.redis = await client_for(self.settings.redis_url, socket_timeout=2.0)
             keyspace = Keyspace(self.settings.key_prefix)
             self.publisher = EventPublisher(
                 self.redis,

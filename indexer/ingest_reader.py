@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
-__all__ = ["Entries", "StreamReader", "open_client"]
+__all__ = ["Entries", "StreamReader", "client_for", "open_client"]
+
+log = logging.getLogger(__name__)
 
 Client = aioredis.Redis | RedisCluster
 #: Per stream key, its new entries in order: (entry id, fields).
@@ -45,6 +49,24 @@ async def open_client(url: str, *, socket_timeout: float = 10.0) -> Client:
     cluster = RedisCluster.from_url(url, socket_timeout=socket_timeout)
     await cluster.initialize()
     return cluster
+
+
+async def client_for(url: str, *, socket_timeout: float = 2.0) -> Client:
+    """:func:`open_client`, or, while Redis does not answer, a single-node client.
+
+    For services that must start without Redis (they degrade and reconnect):
+    a single-node client reconnects by itself; whether the server is a
+    cluster is only known once it answers, so a service started while a
+    Redis Cluster is down keeps failing over to its degraded mode until it
+    restarts (logged).
+    """
+    try:
+        return await open_client(url, socket_timeout=socket_timeout)
+    except (RedisError, OSError) as exc:
+        log.warning("Redis at %s does not answer (%s): assuming a single node", url, exc)
+        return aioredis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
 
 
 def _key(raw: bytes | str) -> bytes:

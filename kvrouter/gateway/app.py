@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import httpx
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +34,7 @@ from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
 from engine_worker.tokenizer import load_tokenizer
 from indexer.index.redis_index import RedisIndex
+from indexer.ingest_reader import client_for
 from indexer.views import Role, WorkerView
 from indexer.wire import Keyspace
 from kvrouter.gateway.affinity import SessionAffinity
@@ -112,12 +112,10 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
 
         models = await asyncio.to_thread(_load_models, settings.models)
         keyspace = Keyspace(settings.key_prefix)
+        # A cluster client when Redis runs in cluster mode (load leases, rate buckets,
+        # discovery and the index all work on either).
         client = (
-            aioredis.Redis.from_url(
-                settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
-            )
-            if settings.redis_url
-            else None
+            await client_for(settings.redis_url, socket_timeout=1.0) if settings.redis_url else None
         )
         index = RedisIndex(client, keyspace) if client is not None else None
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))

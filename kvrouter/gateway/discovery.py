@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import Keyspace, decode_view
@@ -98,7 +98,7 @@ class WorkerDirectory:
     metrics: RouterMetrics
     block_size: int
     models: Collection[str]
-    client: aioredis.Redis | None = None
+    client: RedisClient | None = None
     keyspace: Keyspace = field(default_factory=Keyspace)
     static_urls: list[str] = field(default_factory=list)
     http: httpx.AsyncClient | None = None

@@ -29,10 +29,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from engine_worker.protocol import ApiError
+from indexer.ingest_reader import Client as RedisClient
 from indexer.wire import Keyspace
 from kvrouter.gateway.metrics import RouterMetrics
 
@@ -90,7 +90,7 @@ class RateLimiter:
     """Request and token buckets per client (Redis, or this replica's memory)."""
 
     metrics: RouterMetrics
-    client: aioredis.Redis | None = None
+    client: RedisClient | None = None
     keyspace: Keyspace = field(default_factory=Keyspace)
     requests_per_s: float = 0.0
     tokens_per_min: float = 0.0

@@ -24,9 +24,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
 from indexer.wire import Keyspace
 
@@ -76,7 +76,7 @@ class Ticket:
 class LoadTracker:
     """This replica's counts plus the other replicas' (from their leases)."""
 
-    client: aioredis.Redis | None = None
+    client: RedisClient | None = None
     keyspace: Keyspace = field(default_factory=Keyspace)
     replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     lease_s: float = 10.0
