@@ -74,17 +74,31 @@ def test_every_metric_a_dashboard_or_rule_reads_is_in_a_live_scrape(cluster: Clu
 
 
 def test_top_once_names_every_worker_with_its_role_and_figures(cluster: Cluster) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvrouter", "top", "--redis", cluster.redis_url,
-         "--gateway", cluster.gateway, "--indexer", cluster.indexer, "--once"],
-        capture_output=True, text=True, timeout=60,
-        env={**os.environ, "COLUMNS": "120", "NO_COLOR": "1"},
-    )  # fmt: skip
+    def frame() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvrouter", "top", "--redis", cluster.redis_url,
+             "--gateway", cluster.gateway, "--indexer", cluster.indexer, "--once"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "COLUMNS": "120", "NO_COLOR": "1"},
+        )  # fmt: skip
+
+    def cells_of(text: str) -> dict[str, list[str]]:
+        rows = [line for line in text.splitlines() if "│ worker-" in line]
+        return {r.split("│")[1].strip(): [c.strip() for c in r.split("│")[1:-1]] for r in rows}
+
+    # The KV figures come from heartbeats (every 1 s in `kvrouter up`), which trail the
+    # traffic by up to a beat: look again for a few beats before judging them.
+    deadline = time.monotonic() + 5.0
+    out = frame()
+    while time.monotonic() < deadline and all(
+        c[5] == "0/1024" for c in cells_of(out.stdout).values()
+    ):
+        time.sleep(0.5)
+        out = frame()
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│ worker-" in line}
-    assert set(rows) == {"worker-0", "worker-1"}, text
-    cells = {h: [c.strip() for c in row.split("│")[1:-1]] for h, row in rows.items()}
+    cells = cells_of(text)
+    assert set(cells) == {"worker-0", "worker-1"}, text
     assert all(c[1] == "both" for c in cells.values()), text
     # Both workers served requests (TTFT); KV blocks and hits show where the prompts went
     # (the KV figures come from heartbeats, which trail the traffic by up to a beat).
