@@ -42,7 +42,7 @@ dashboards: $(STAMP)
 	$(BIN)/python -m kvrouter.ops.generate
 
 bench: $(STAMP)
-	$(BIN)/python -m kvrouter.bench.micro
+	$(BIN)/python -m kvrouter.tools.micro
 
 # The long reliability runs (`make test` runs short versions): figures land in var/chaos/.
 chaos: $(STAMP)

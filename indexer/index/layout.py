@@ -1,6 +1,6 @@
 """How the Redis index lays its entries out in keys: bucketed hashes.
 
-The layout was chosen by measurement (docs/index.md, kvrouter/bench/index_bench.py)::
+The layout was chosen by measurement (docs/index.md, kvrouter/tools/index_bench.py)::
 
     forward   {p}:idx:{G}:f:<F>        hash  field = 8-byte block key (big-endian)
                                              value = 3 bytes per holder: hid << 2 | rank

@@ -24,19 +24,16 @@ measure our path (``preadv`` + copy), not the disk.
 
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from engine_worker.block_pool import BlockPool, TierCapacity
 from engine_worker.model.llama import LlamaModel
@@ -50,7 +47,7 @@ from engine_worker.scheduler import Scheduler, SchedulerConfig
 from engine_worker.tiers import TierStorage
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
-from kvrouter.bench.micro import Row
+from kvrouter.tools.table import Row, RowFormat, report
 
 __all__ = ["EngineCore", "bench_decode", "bench_sim", "bench_ttft", "main", "run"]
 
@@ -406,23 +403,6 @@ def run(
         torch.set_num_threads(before)
 
 
-def render(rows: list[Row], title: str) -> Table:
-    """A rich table of the rows."""
-    table = Table(title=title)
-    for col in ("benchmark", "unit", "ours", "baseline", "vs", "ours / baseline"):
-        table.add_column(col, justify="left" if col in ("benchmark", "vs") else "right")
-    for r in rows:
-        table.add_row(
-            r.name,
-            r.unit,
-            f"{r.ours:,.4g}",
-            f"{r.baseline:,.4g}",
-            r.baseline_name,
-            f"{r.ratio:.3g}",
-        )
-    return table
-
-
 def main(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the rows as JSON here.")
@@ -449,14 +429,17 @@ def main(
         sim_steps=sim_steps,
         repeat=repeat,
     )
-    console = Console(width=160)
-    console.print(render(rows, f"kvrouter engine benchmarks (one run, {threads} torch thread(s))"))
-    for note in notes:
-        console.print(note)
-    console.print(f"total {time.perf_counter() - started:.1f} s, torch {torch.__version__}")
-    if json_path is not None:
-        payload = [{**asdict(r), "ratio": r.ratio} for r in rows]
-        json_path.write_text(json.dumps({"threads": threads, "rows": payload}, indent=2) + "\n")
+    fmt = RowFormat(f"kvrouter engine benchmarks (one run, {threads} torch thread(s))")
+    report(
+        rows,
+        fmt,
+        started=started,
+        json_path=json_path,
+        notes=notes,
+        footer=f"torch {torch.__version__}",
+        envelope={"threads": threads},
+        width=160,
+    )
 
 
 if __name__ == "__main__":

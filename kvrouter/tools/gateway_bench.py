@@ -1,6 +1,6 @@
 """Gateway benchmarks: overhead vs direct, requests/s, and the routing decision's cost.
 
-    python -m kvrouter.bench.gateway_bench [--json PATH] [--quick]
+    python -m kvrouter.tools.gateway_bench [--json PATH] [--quick]
 
 1. Overhead: the same small non-streaming request sent straight to a
    ``sim`` worker and through the gateway, alternating, sequentially;
@@ -10,6 +10,8 @@
 3. Decision time: the gateway's ``Router.route`` in-process against a
    real Redis index holding 64 hosts' entries, for 8K- and 100K-token
    prompts; p50/p99 of each stage (tokenize, hash, lookup, score).
+4. Chat turns: the same for a chat history's first turn (prompt cache
+   cold) and its follow-up turn (history + one new message, cache warm).
 
 Workers run with ``--runner sim --time-scale 0`` so that what is measured
 is HTTP, routing and bookkeeping, not modeled compute.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -31,10 +32,10 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 from rich.console import Console
-from rich.table import Table
 
-from engine_worker.protocol import CompletionRequest
+from engine_worker.protocol import ChatCompletionRequest, CompletionRequest
 from indexer.events import BlockStored, Event, EventBatch
+from indexer.index.bitmap import BitmapIndex
 from indexer.index.redis_index import RedisIndex
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
@@ -48,14 +49,9 @@ from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import Router
 from kvrouter.policy_factory import build_policy
 from kvrouter.supervisor import Supervisor
+from kvrouter.tools.table import grid, p50_p99_ms, percentile, write_json
 
 MODEL = "tiny"
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) of ``values``."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _latency(gateway: str, workers: list[str], n: int) -> dict[str, float]:
@@ -70,11 +66,9 @@ async def _latency(gateway: str, workers: list[str], n: int) -> dict[str, float]
                 out.append(time.perf_counter() - t0)
                 r.raise_for_status()
     return {
-        "direct_p50_ms": pct(direct, 0.5) * 1e3,
-        "direct_p99_ms": pct(direct, 0.99) * 1e3,
-        "gateway_p50_ms": pct(via, 0.5) * 1e3,
-        "gateway_p99_ms": pct(via, 0.99) * 1e3,
-        "ratio_p50": pct(via, 0.5) / pct(direct, 0.5),
+        **p50_p99_ms("direct", direct),
+        **p50_p99_ms("gateway", via),
+        "ratio_p50": percentile(via, 0.5) / percentile(direct, 0.5),
     }
 
 
@@ -209,8 +203,7 @@ async def _decisions(tokens: int, hosts: int, n: int, redis_url: str) -> dict[st
     await index.close()
     out: dict[str, Any] = {"tokens": len(ids), "blocks": len(keys), "hosts": hosts}
     for k, values in {**stages, "total": totals}.items():
-        out[f"{k}_p50_ms"] = pct(values, 0.5) * 1e3
-        out[f"{k}_p99_ms"] = pct(values, 0.99) * 1e3
+        out |= p50_p99_ms(k, values)
     return out
 
 
@@ -220,6 +213,90 @@ def decision_benchmarks(n: int) -> list[dict[str, Any]]:
     with EmbeddedRedis() as redis:
         for tokens, runs in ((8192, n), (100_000, max(n // 5, 10))):
             out.append(asyncio.run(_decisions(tokens, 64, runs, redis.url)))
+    return out
+
+
+async def _chat_turns(
+    tokens: int, hosts: int, n: int, redis_url: str, index_mode: str = "redis"
+) -> list[dict[str, Any]]:
+    """Part 4: a chat history of ~``tokens`` tokens, first turn (cold) and follow-up turn.
+
+    The follow-up is the same history plus the answer and one new user message, routed
+    right after the first turn warmed the router's prompt cache (cleared before each
+    first turn, so both figures are what one conversation sees). ``index_mode``:
+    ``redis`` looks up in the Redis index (a Lua call), ``mirror`` in the in-process
+    table a gateway's :class:`~indexer.index.mirror.IndexMirror` serves lookups from,
+    fed the same events.
+    """
+    models = _load_models([MODEL])
+    rng = random.Random(1)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "zeta", "eta"]
+    turn_words = 400
+    history: list[dict[str, str]] = []
+    while len(history) * turn_words * 1.3 < tokens:  # ~1.3 tokens per word here
+        role = "user" if len(history) % 2 == 0 else "assistant"
+        history.append({"role": role, "content": " ".join(rng.choices(words, k=turn_words))})
+    if history[-1]["role"] == "assistant":
+        history.pop()
+    first = ChatCompletionRequest.model_validate({"model": MODEL, "messages": history})
+    follow = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [
+            *history, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "And what comes next?"},
+        ]}
+    )  # fmt: skip
+    index: RedisIndex | BitmapIndex = (
+        RedisIndex(redis_url, Keyspace(f"chat{tokens}")) if index_mode == "redis" else BitmapIndex()
+    )
+    metrics = RouterMetrics(CollectorRegistry())
+    directory = WorkerDirectory(metrics=metrics, block_size=16, models={MODEL})
+    directory.views = {
+        f"host-{h}": WorkerView(
+            host=f"host-{h}", url="http://unused", model=MODEL, block_size=16,
+            queued_prefill_tokens=rng.randrange(0, 20000), running=rng.randrange(0, 32),
+        )
+        for h in range(hosts)
+    }  # fmt: skip
+    router = Router(
+        models=models, directory=directory, index=index, load=LoadTracker(),
+        policy=build_policy("kv_ttft"), fallback=build_policy("least_load"),
+        metrics=metrics, block_size=16, max_prompt_tokens=10**6,
+    )  # fmt: skip
+    keys = block_keys(router.tokenize(follow), 16, root_parent(MODEL))
+    for h in range(hosts):
+        held = keys[: max(1, len(keys) * (h + 1) // hosts)]
+        events: list[Event] = [BlockStored(held, None, Medium.HBM)]
+        await index.apply(EventBatch(f"host-{h}", 1, 1, time.time(), events))
+    cache = router.prompts[MODEL].cache
+    rows = []
+    for label, body in (("first turn", first), ("follow-up turn", follow)):
+        stages: dict[str, list[float]] = {"tokenize": [], "hash": [], "lookup": [], "score": []}
+        totals: list[float] = []
+        for i in range(n):
+            cache.clear()
+            if body is follow:
+                await router.route(first, f"warm{i}")
+            routed = await router.route(body, f"r{i}")
+            for k, v in routed.timings.items():
+                stages[k].append(v)
+            totals.append(sum(routed.timings.values()))
+        row: dict[str, Any] = {
+            "turn": label, "tokens": routed.prompt_tokens, "hosts": hosts, "index": index_mode,
+        }  # fmt: skip
+        for k, values in {**stages, "total": totals}.items():
+            row |= p50_p99_ms(k, values)
+        rows.append(row)
+    await index.close()
+    return rows
+
+
+def chat_turn_benchmarks(n: int) -> list[dict[str, Any]]:
+    """Part 4 for 8K- and 100K-token histories, 64 hosts."""
+    out = []
+    with EmbeddedRedis() as redis:
+        for tokens, runs in ((8192, n), (100_000, max(n // 5, 10))):
+            for mode in ("redis", "mirror"):
+                out += asyncio.run(_chat_turns(tokens, 64, runs, redis.url, mode))
     return out
 
 
@@ -234,29 +311,34 @@ def main() -> None:
     console = Console()
     http = http_benchmarks(n, 3.0 if args.quick else 10.0, 32)
     decisions = decision_benchmarks(40 if args.quick else 200)
-    t = Table(title="gateway vs direct (sim workers, time scale 0)")
-    for col in ("measure", "direct", "gateway", "gateway / direct"):
-        t.add_column(col)
-    t.add_row("latency p50 (ms)", f"{http['direct_p50_ms']:.2f}", f"{http['gateway_p50_ms']:.2f}",
-              f"{http['ratio_p50']:.2f}")  # fmt: skip
-    t.add_row("latency p99 (ms)", f"{http['direct_p99_ms']:.2f}", f"{http['gateway_p99_ms']:.2f}",
-              f"{http['gateway_p99_ms'] / http['direct_p99_ms']:.2f}")  # fmt: skip
-    t.add_row(f"requests/s at concurrency {http['concurrency']}", f"{http['direct_rps']:.0f}",
-              f"{http['gateway_rps']:.0f}", f"{http['rps_ratio']:.2f}")  # fmt: skip
-    console.print(t)
-    d = Table(title="routing decision time, 64 hosts in a real Redis index (ms)")
-    d.add_column("prompt")
-    for stage in ("tokenize", "hash", "lookup", "score", "total"):
-        d.add_column(f"{stage} p50/p99")
-    for row in decisions:
-        d.add_row(
-            f"{row['tokens']} tok / {row['blocks']} blocks",
-            *(f"{row[f'{s}_p50_ms']:.2f} / {row[f'{s}_p99_ms']:.2f}"
-              for s in ("tokenize", "hash", "lookup", "score", "total")),
-        )  # fmt: skip
-    console.print(d)
+    turns = chat_turn_benchmarks(40 if args.quick else 200)
+    overhead = [
+        ("latency p50 (ms)", f"{http['direct_p50_ms']:.2f}", f"{http['gateway_p50_ms']:.2f}",
+         f"{http['ratio_p50']:.2f}"),
+        ("latency p99 (ms)", f"{http['direct_p99_ms']:.2f}", f"{http['gateway_p99_ms']:.2f}",
+         f"{http['gateway_p99_ms'] / http['direct_p99_ms']:.2f}"),
+        (f"requests/s at concurrency {http['concurrency']}", f"{http['direct_rps']:.0f}",
+         f"{http['gateway_rps']:.0f}", f"{http['rps_ratio']:.2f}"),
+    ]  # fmt: skip
+    columns = ("measure", "direct", "gateway", "gateway / direct")
+    console.print(grid("gateway vs direct (sim workers, time scale 0)", columns, overhead))
+    stages = ("tokenize", "hash", "lookup", "score", "total")
+    timings = [
+        (f"{row['tokens']} tok / {row['blocks']} blocks",
+         *(f"{row[f'{s}_p50_ms']:.2f} / {row[f'{s}_p99_ms']:.2f}" for s in stages))
+        for row in decisions
+    ]  # fmt: skip
+    title = "routing decision time, 64 hosts in a real Redis index (ms)"
+    console.print(grid(title, ("prompt", *(f"{s} p50/p99" for s in stages)), timings))
+    chat = [
+        (f"{row['turn']}, {row['tokens']} tok, {row['index']}",
+         *(f"{row[f'{s}_p50_ms']:.2f} / {row[f'{s}_p99_ms']:.2f}" for s in stages))
+        for row in turns
+    ]  # fmt: skip
+    title = "chat turns: first (cold) and follow-up (prompt cache warm), 64 hosts (ms)"
+    console.print(grid(title, ("turn", *(f"{s} p50/p99" for s in stages)), chat))
     if args.json:
-        args.json.write_text(json.dumps({"http": http, "decisions": decisions}, indent=2))
+        write_json(args.json, {"http": http, "decisions": decisions, "chat_turns": turns})
 
 
 if __name__ == "__main__":

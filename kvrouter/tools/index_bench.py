@@ -1,6 +1,6 @@
 """Benchmarks of the global KV index, each beside naive baselines measured in the same run.
 
-``python -m kvrouter.bench.index_bench`` starts its own redis-server(s)
+``python -m kvrouter.tools.index_bench`` starts its own redis-server(s)
 (:class:`kvrouter.embedded_redis.EmbeddedRedis`, default configuration) and
 measures:
 
@@ -19,8 +19,11 @@ measures:
 3. Lookup: p50/p99 latency of ``RedisIndex.match`` for 8K- and 100K-token
    prompts (512 and 6250 keys) at 8, 64 and 512 hosts, against the naive
    lookup (one HGETALL round trip per key until a key has no holder), the
-   Redis time per lookup (``INFO commandstats``), and the p50 of layout (c),
-   whose lookup walks every host, on the same data.
+   Redis time per lookup (``INFO commandstats``), the p50 of layout (c),
+   whose lookup walks every host, on the same data, and the gateway mirror's
+   in-process lookup (:class:`~indexer.index.bitmap.BitmapIndex`) on the same
+   data beside the Redis Lua lookup; memory (1.) adds the mirror's bytes per
+   entry per gateway replica (tracemalloc).
 """
 
 from __future__ import annotations
@@ -32,48 +35,38 @@ import shutil
 import statistics
 import subprocess
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 import typer
 from redis.typing import EncodableT, FieldT
-from rich.console import Console
-from rich.table import Table
 
 from indexer.events import BlockRemoved, BlockStored, EventBatch, Snapshot
 from indexer.index import IndexLayout, RedisIndex
 from indexer.index.base import batch_blocks
+from indexer.index.bitmap import BitmapIndex
 from indexer.index.layout import pack_keys
 from indexer.media import MEDIA, Medium
 from kvrouter.embedded_redis import EmbeddedRedis
+from kvrouter.tools.table import Row, RowFormat, percentile, report
 
-__all__ = ["Row", "ingest_batches", "main", "run"]
+__all__ = ["FORMAT", "ingest_batches", "ingest_rate", "main", "run"]
 
 BLOCK_SIZE = 16
 #: A lookup of a chain of block keys, whatever the layout.
 Lookup = Callable[[list[int]], Awaitable[Any]]
 NAIVE = "naive: hash per block, JSON fields"
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One figure of ours beside the baseline's, from the same run."""
-
-    section: str
-    name: str
-    unit: str
-    ours: float
-    baseline: float | None
-    baseline_name: str
-    goal: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        """ours / baseline."""
-        return None if not self.baseline else self.ours / self.baseline
+#: The index tools' table (also ingest_bench's): sections and goals, the baseline named in docs.
+FORMAT = RowFormat(
+    "KV index benchmarks (ours beside the baseline, one run)",
+    sections=True,
+    baseline_names=False,
+    goals=True,
+)
 
 
 def _naive_field(host: str, medium: Medium) -> str:
@@ -82,11 +75,6 @@ def _naive_field(host: str, medium: Medium) -> str:
 
 async def _used_memory(client: aioredis.Redis) -> int:
     return int((await client.info("memory"))["used_memory"])
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # -- 1. memory per layout ------------------------------------------------------------
@@ -237,15 +225,43 @@ async def bench_memory(entries: int, hosts: int, seed: int) -> list[Row]:
     rows = []
     for name, label in labels.items():
         b, lk = results[name]
-        rows.append(Row("memory", label, "bytes/entry", b, naive_bytes, NAIVE, "<= 48"))
         rows.append(
-            Row("memory", f"{label}: 512-key lookup, {hosts} hosts", "ms", lk * 1e3,
-                naive_lookup * 1e3, NAIVE + " (HGETALL per key)")
+            Row(label, "bytes/entry", b, naive_bytes, NAIVE, section="memory", goal="<= 48")
+        )
+        rows.append(
+            Row(f"{label}: 512-key lookup, {hosts} hosts", "ms", lk * 1e3, naive_lookup * 1e3,
+                NAIVE + " (HGETALL per key)", section="memory")
         )  # fmt: skip
     rows.append(
-        Row("memory", f"entries measured ({len(data):,} blocks)", "entries", n_entries, None, "")
-    )
+        Row("gateway mirror (in-process bitmaps), per replica, tracemalloc", "bytes/entry",
+            _mirror_bytes(data) / n_entries, naive_bytes, NAIVE, section="memory")
+    )  # fmt: skip
+    rows.append(
+        Row(f"entries measured ({len(data):,} blocks)", "entries", n_entries, None, "",
+            section="memory")
+    )  # fmt: skip
     return rows
+
+
+def _mirror_bytes(data: dict[int, dict[int, Medium]]) -> int:
+    """Python heap a gateway's mirror table takes to hold ``data`` (tracemalloc)."""
+    per_host: dict[int, dict[Medium, list[int]]] = {}
+    for k, holders in data.items():
+        for h, m in holders.items():
+            per_host.setdefault(h, {}).setdefault(m, []).append(k)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    table = BitmapIndex()
+    for h, blocks in per_host.items():
+        # The keys as a stream delivers them: decoded per batch, not shared with ``data``.
+        fresh = {m: [int.from_bytes(k.to_bytes(8, "big"), "big") for k in ks]
+                 for m, ks in blocks.items()}  # fmt: skip
+        table.replace_sync(Snapshot(f"worker-{h}", 1, 0, 0.0, fresh))
+        del fresh
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert table.stats_sync().total == sum(len(v) for v in data.values())
+    return used
 
 
 def _lookup_chain(data: dict[int, dict[int, Medium]], hosts: int, seed: int) -> list[int]:
@@ -293,7 +309,7 @@ async def _naive_match(client: aioredis.Redis, prefix: str, chain: list[int]) ->
 
 def ingest_batches(hosts: int, batches: int, per_batch: int, seed: int) -> list[list[EventBatch]]:
     """Per host, ``batches`` batches in order: 3/4 new blocks stored, 1/4 earlier ones removed
-    (also the ingester benchmark's work, :mod:`kvrouter.bench.ingest_bench`)."""
+    (also the ingester benchmark's work, :mod:`kvrouter.tools.ingest_bench`)."""
     rng = random.Random(seed)
     out = []
     for h in range(hosts):
@@ -326,9 +342,12 @@ async def _naive_apply(client: aioredis.Redis, b: EventBatch) -> None:
     await pipe.execute()
 
 
-async def _ingest_rate(name: str, work: list[list[EventBatch]]) -> tuple[float, float]:
+async def ingest_rate(name: str, work: list[list[EventBatch]]) -> tuple[float, float]:
     """Block-events/s of applying ``work`` (hosts concurrently, each in order), and the
-    Redis time per block event (commandstats: the scripts, or the naive commands)."""
+    Redis time per block event (commandstats: the scripts, or the naive commands).
+
+    ``name`` is ``"ours"`` (``RedisIndex.apply``) or ``"naive"`` (the baseline writer);
+    ingest_bench's direct path is ``"ours"``."""
     events = sum(batch_blocks(b) for hb in work for b in hb)
     with EmbeddedRedis() as server:
         client = aioredis.Redis.from_url(server.url, max_connections=len(work) + 4)
@@ -380,7 +399,7 @@ async def bench_ingest(
     """
     work = ingest_batches(hosts, batches, per_batch, seed)
     rounds = [
-        (await _ingest_rate("ours", work), await _ingest_rate("naive", work)) for _ in range(repeat)
+        (await ingest_rate("ours", work), await ingest_rate("naive", work)) for _ in range(repeat)
     ]
     ours, ours_s = max(r[0] for r in rounds)
     naive = max(r[1][0] for r in rounds)
@@ -390,12 +409,12 @@ async def bench_ingest(
         f"apply, {per_batch} block events per batch, {hosts} hosts concurrently (best of {repeat})"
     )
     return [
-        Row("ingest", f"{label} vs this machine's Redis", "block-events/s", ours, capacity,
-            "redis-benchmark HSET/s, pipeline 16"),
-        Row("ingest", label, "block-events/s", ours, naive, NAIVE + ", pipelined per batch",
-            ">= 250,000"),
-        Row("ingest", f"{label}: Redis time per block event inside apply.lua (commandstats)",
-            "us", ours_s * 1e6, None, ""),
+        Row(f"{label} vs this machine's Redis", "block-events/s", ours, capacity,
+            "redis-benchmark HSET/s, pipeline 16", section="ingest"),
+        Row(label, "block-events/s", ours, naive, NAIVE + ", pipelined per batch",
+            section="ingest", goal=">= 250,000"),
+        Row(f"{label}: Redis time per block event inside apply.lua (commandstats)",
+            "us", ours_s * 1e6, None, "", section="ingest"),
     ]  # fmt: skip
 
 
@@ -454,6 +473,9 @@ async def _lookup_rows(
 
         naive = _alternative_lookup(client, "naive", c_bits, hosts)
         per_host_walk = _alternative_lookup(client, "c", c_bits, hosts)
+        mirror = BitmapIndex()  # a gateway replica's mirror table (indexer/index/mirror.py)
+        for h, blocks in data.holdings.items():
+            mirror.replace_sync(Snapshot(f"worker-{h}", 1, 0, 0.0, blocks))
         for n in prompt_blocks:
             chains = [c[:n] for c in data.prompts]
             await client.config_resetstat()
@@ -466,19 +488,29 @@ async def _lookup_rows(
             goal = "< 2 ms" if (n == 512 and hosts == 64) else ""
             for q, qname in ((0.5, "p50"), (0.99, "p99")):
                 rows.append(
-                    Row("lookup", f"{label} {qname}", "ms", _pct(mine, q) * 1e3,
-                        _pct(base, q) * 1e3, NAIVE + ", HGETALL per key",
-                        goal if qname == "p99" else "")
+                    Row(f"{label} {qname}", "ms", percentile(mine, q) * 1e3,
+                        percentile(base, q) * 1e3, NAIVE + ", HGETALL per key",
+                        section="lookup", goal=goal if qname == "p99" else "")
                 )  # fmt: skip
             rows.append(
-                Row("lookup", f"{label}: Redis time per lookup (commandstats)", "ms", server_ms,
-                    None, "")
+                Row(f"{label}: Redis time per lookup (commandstats)", "ms", server_ms, None, "",
+                    section="lookup")
             )  # fmt: skip
+            local = await _lookup_samples(mirror.match, chains, samples)
+            assert mirror.match_sync(chains[0]) == await idx.match(chains[0])
+            for q, qname in ((0.5, "p50"), (0.99, "p99")):
+                rows.append(
+                    Row(f"{label} {qname}, gateway mirror (in process)", "ms",
+                        percentile(local, q) * 1e3, percentile(mine, q) * 1e3,
+                        "Redis Lua lookup, same run", section="lookup",
+                        goal="<= 1 ms" if (n == 512 and hosts == 64 and qname == "p99") else "")
+                )  # fmt: skip
             if n <= 512:
                 alt = await _lookup_samples(per_host_walk, chains, max(5, samples // 4))
                 rows.append(
-                    Row("lookup", f"{label} p50 vs layout (c)", "ms", _pct(mine, 0.5) * 1e3,
-                        _pct(alt, 0.5) * 1e3, "(c) per-host buckets, Lua walk per host")
+                    Row(f"{label} p50 vs layout (c)", "ms", percentile(mine, 0.5) * 1e3,
+                        percentile(alt, 0.5) * 1e3, "(c) per-host buckets, Lua walk per host",
+                        section="lookup")
                 )  # fmt: skip
         await client.aclose()
     return rows
@@ -528,24 +560,6 @@ async def run(
     return rows
 
 
-def render(rows: list[Row]) -> Table:
-    """A rich table of the rows."""
-    table = Table(title="KV index benchmarks (ours beside the baseline, one run)")
-    for col in ("section", "benchmark", "unit", "ours", "baseline", "ours / baseline", "goal"):
-        table.add_column(col, justify="left" if col in ("section", "benchmark") else "right")
-    for r in rows:
-        table.add_row(
-            r.section,
-            r.name,
-            r.unit,
-            f"{r.ours:,.4g}",
-            "" if r.baseline is None else f"{r.baseline:,.4g}",
-            "" if r.ratio is None else f"{r.ratio:.3g}",
-            r.goal,
-        )
-    return table
-
-
 def main(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the rows as JSON here.")
@@ -564,12 +578,7 @@ def main(
     started = time.perf_counter()
     parts = frozenset(p.strip() for p in only.split(",") if p.strip())
     rows = asyncio.run(run(entries, ingest_batches, lookup_samples, seed, parts))
-    console = Console()
-    console.print(render(rows))
-    console.print(f"total {time.perf_counter() - started:.1f} s")
-    if json_path is not None:
-        payload = [{**asdict(r), "ratio": r.ratio} for r in rows]
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    report(rows, FORMAT, started=started, json_path=json_path)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Ingest rate through the ingester (the ``kvrouter indexer`` path) beside direct ``apply``.
 
-``python -m kvrouter.bench.ingest_bench`` builds the same event batches for
-N synthetic hosts as :mod:`kvrouter.bench.index_bench` (3/4 new blocks
+``python -m kvrouter.tools.ingest_bench`` builds the same event batches for
+N synthetic hosts as :mod:`kvrouter.tools.index_bench` (3/4 new blocks
 stored, 1/4 earlier ones removed, in order per host) and measures, on a
 fresh default-configured ``redis-server`` each round, alternating:
 
@@ -20,16 +20,13 @@ Each keeps its best round (the machine is shared); the ratio comes from one run.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import redis.asyncio as aioredis
 import typer
 from prometheus_client import CollectorRegistry
-from rich.console import Console
 
 from indexer.events import EventBatch, encode_message
 from indexer.index import RedisIndex
@@ -38,29 +35,11 @@ from indexer.ingest import IngestConfig, Ingester
 from indexer.ingest_metrics import IngestMetrics
 from indexer.registry import RedisHostRegistry
 from indexer.wire import EVENT_FIELD, Keyspace
-from kvrouter.bench.index_bench import Row, ingest_batches, render
 from kvrouter.embedded_redis import EmbeddedRedis
+from kvrouter.tools.index_bench import FORMAT, ingest_batches, ingest_rate
+from kvrouter.tools.table import Row, report
 
 __all__ = ["main", "run"]
-
-
-async def direct_rate(work: list[list[EventBatch]]) -> float:
-    """Block-events/s of RedisIndex.apply, hosts concurrently, each in order."""
-    events = sum(batch_blocks(b) for hb in work for b in hb)
-    with EmbeddedRedis() as server:
-        client = aioredis.Redis.from_url(server.url, max_connections=len(work) + 4)
-        index = RedisIndex(client)
-        await index.stats()
-
-        async def host_loop(host_batches: list[EventBatch]) -> None:
-            for b in host_batches:
-                await index.apply(b)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(host_loop(hb) for hb in work))
-        elapsed = time.perf_counter() - start
-        await client.aclose()
-    return events / elapsed
 
 
 async def ingester_rate(work: list[list[EventBatch]], read_count: int) -> float:
@@ -99,7 +78,8 @@ async def run(hosts: int = 64, batches: int = 30, per_batch: int = 128, read_cou
     """Both paths, alternating ``repeat`` times on fresh servers; each keeps its best round."""
     work = ingest_batches(hosts, batches, per_batch, seed)
     rounds = [
-        (await ingester_rate(work, read_count), await direct_rate(work)) for _ in range(repeat)
+        (await ingester_rate(work, read_count), (await ingest_rate("ours", work))[0])
+        for _ in range(repeat)
     ]
     ours = max(r[0] for r in rounds)
     direct = max(r[1] for r in rounds)
@@ -108,8 +88,8 @@ async def run(hosts: int = 64, batches: int = 30, per_batch: int = 128, read_cou
         f"pre-filled with {batches} batches of {per_batch} block events (best of {repeat})"
     )
     return [
-        Row("ingest", label, "block-events/s", ours, direct,
-            "RedisIndex.apply directly, hosts concurrently"),
+        Row(label, "block-events/s", ours, direct, "RedisIndex.apply directly, hosts concurrently",
+            section="ingest"),
     ]  # fmt: skip
 
 
@@ -125,12 +105,7 @@ def main(
     """Measure the ingester's block-events/s beside direct apply, same events, same run."""
     started = time.perf_counter()
     rows = asyncio.run(run(hosts, batches, per_batch, read_count, repeat, seed))
-    console = Console()
-    console.print(render(rows))
-    console.print(f"total {time.perf_counter() - started:.1f} s")
-    if json_path is not None:
-        payload = [{**asdict(r), "ratio": r.ratio} for r in rows]
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    report(rows, FORMAT, started=started, json_path=json_path)
 
 
 if __name__ == "__main__":

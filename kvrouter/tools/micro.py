@@ -21,13 +21,11 @@ Each timing is the best of ``--repeat`` runs; torch runs single-threaded.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -35,16 +33,15 @@ import numpy as np
 import torch
 import typer
 import xxhash
-from rich.console import Console
-from rich.table import Table
 
 from engine_worker.block_pool import BlockPool, TierCapacity
 from engine_worker.kv_layout import KVLayout
 from engine_worker.tiers import TierStorage
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
+from kvrouter.tools.table import Row, RowFormat, report
 
-__all__ = ["Row", "main", "run"]
+__all__ = ["FORMAT", "main", "run"]
 
 #: SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, bf16, 16-token blocks (360 KiB per block).
 SMOLLM2_LAYOUT = KVLayout(
@@ -56,21 +53,7 @@ _Thunk = Callable[[], None]
 #: A tier move: name, timed pool operation, its untimed setup, the raw baseline, its name.
 _Move = tuple[str, _Thunk, _Thunk, _Thunk, str]
 
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One comparison: our figure, the baseline's, and ours / baseline."""
-
-    name: str
-    unit: str
-    ours: float
-    baseline: float
-    baseline_name: str
-
-    @property
-    def ratio(self) -> float:
-        """ours / baseline (for rates, 1.0 means no overhead)."""
-        return self.ours / self.baseline
+FORMAT = RowFormat("kvrouter micro benchmarks (ours vs baseline, one run)", digits=3)
 
 
 def best_time(
@@ -327,23 +310,6 @@ def _run(num_blocks: int, tier_blocks: int, repeat: int) -> list[Row]:
     return rows
 
 
-def render(rows: list[Row]) -> Table:
-    """A rich table of the rows."""
-    table = Table(title="kvrouter micro benchmarks (ours vs baseline, one run)")
-    for col in ("benchmark", "unit", "ours", "baseline", "vs", "ours / baseline"):
-        table.add_column(col, justify="left" if col in ("benchmark", "vs") else "right")
-    for r in rows:
-        table.add_row(
-            r.name,
-            r.unit,
-            f"{r.ours:,.3g}",
-            f"{r.baseline:,.3g}",
-            r.baseline_name,
-            f"{r.ratio:.3g}",
-        )
-    return table
-
-
 def main(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the rows as JSON here.")
@@ -357,12 +323,8 @@ def main(
     """Measure key hashing, pool bookkeeping and tier bandwidth against baselines."""
     started = time.perf_counter()
     rows = run(num_blocks, tier_blocks, repeat)
-    console = Console(width=150)
-    console.print(render(rows))
-    console.print(f"total {time.perf_counter() - started:.1f} s, torch {torch.__version__}")
-    if json_path is not None:
-        payload = [{**asdict(r), "ratio": r.ratio} for r in rows]
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    footer = f"torch {torch.__version__}"
+    report(rows, FORMAT, started=started, json_path=json_path, footer=footer, width=150)
 
 
 if __name__ == "__main__":

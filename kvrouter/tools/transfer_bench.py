@@ -12,7 +12,7 @@ buffer, the receiver reading into a preallocated buffer): the ceiling of any
 transfer over loopback on this machine, measured side by side. The figure is
 the ratio of the two throughputs per round (median over rounds).
 
-    python -m kvrouter.bench.transfer_bench --rounds 5 --prompt-tokens 2048
+    python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Annotated
 import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from kvrouter.embedded_redis import free_port
+from kvrouter.tools.table import grid
 
 __all__ = ["main", "raw_copy_seconds"]
 
@@ -133,17 +133,15 @@ def main(
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait(30)
-    table = Table(title="KV transfer between workers vs a raw loopback socket copy")
-    for col in ("round", "blocks", "MB", "pull GB/s", "raw GB/s", "pull / raw"):
-        table.add_column(col, justify="right")
-    ratios = []
-    for i, (n, size, pull_s, raw_s) in enumerate(rows):
-        ratios.append(raw_s / pull_s)
-        table.add_row(
-            str(i), str(n), f"{size / 1e6:,.1f}", f"{size / pull_s / 1e9:.2f}",
-            f"{size / raw_s / 1e9:.2f}", f"{raw_s / pull_s:.2f}",
-        )  # fmt: skip
-    console.print(table)
+    ratios = [raw_s / pull_s for _, _, pull_s, raw_s in rows]
+    cells = [
+        (str(i), str(n), f"{size / 1e6:,.1f}", f"{size / pull_s / 1e9:.2f}",
+         f"{size / raw_s / 1e9:.2f}", f"{raw_s / pull_s:.2f}")
+        for i, (n, size, pull_s, raw_s) in enumerate(rows)
+    ]  # fmt: skip
+    columns = ("round", "blocks", "MB", "pull GB/s", "raw GB/s", "pull / raw")
+    title = "KV transfer between workers vs a raw loopback socket copy"
+    console.print(grid(title, columns, cells, justify="right"))
     console.print(f"median pull / raw throughput: {statistics.median(ratios):.2f}")
 
 
