@@ -64,7 +64,8 @@ def _cell(
     changes, options = ARRANGEMENTS[name]
     trace = generate(WORKLOAD, seed)
     config = dataclasses.replace(SimConfig(seed=seed, time_scale=scale), **changes)  # type: ignore[arg-type]
-    result = simulate(trace, build_policy("kv_ttft", seed=seed, **options), config)
+    pooling = True if options.get("pooling") else None
+    result = simulate(trace, build_policy("kv_ttft", seed=seed, pooling=pooling), config)
     s = summarize(name, result.records, result.busy_s)
     return {
         "arrangement": name, "load": load,

@@ -17,14 +17,16 @@ is virtual: a heap of step completions merged with the trace's arrivals::
 
 A step end at the same instant as an arrival is processed first.
 
-Worker views. With ``view_interval_s == 0`` every routing sees each worker's
-state at that instant (running, waiting, queued prefill tokens, KV usage,
-profile; ``ts`` = now). With ``view_interval_s > 0`` views are heartbeats taken
-every interval, and the router lays its own accounting over them exactly as the
-gateway does (``kvrouter.gateway.routing.Router.views``): requests in flight,
-and the prompt tokens it routed that have not produced a first token yet (the
-uncached part, by the decision's matched blocks); each term is the larger of
-the heartbeat's and the router's.
+Routing is the gateway's own core (``kvrouter.router_core.RouterCore``): load
+overlay, candidates, policy, session affinity (for trace records that carry a
+``session_id``) and the PD plan. With ``view_interval_s == 0`` every routing
+sees each worker's state at that instant (running, waiting, queued prefill
+tokens, KV usage, profile; ``ts`` = now) and nothing is overlaid. With
+``view_interval_s > 0`` views are heartbeats taken every interval, and the core
+lays the router's own accounting over them as in the gateway: requests in
+flight, and the prompt tokens it routed that have not produced a first token
+yet (the uncached part, by the decision's matched blocks); each term is the
+larger of the heartbeat's and the router's.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
@@ -62,8 +64,11 @@ from indexer.views import Role, WorkerView
 from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
+from kvrouter.gateway.affinity import SessionAffinity
+from kvrouter.gateway.load import Load
 from kvrouter.gateway.pd import PdMode, PdPlanner
-from policies.base import Policy, RouteRequest
+from kvrouter.router_core import CoreDecision, RouterCore, route_request
+from policies.base import NoWorkerError, Policy
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
 __all__ = [
@@ -314,7 +319,8 @@ class _Cluster:
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
         self.next_beat = 0.0
-        self.planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
+        planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
+        self.core = RouterCore(policy, affinity=SessionAffinity(), planner=planner)
         #: Prefill-only requests (PD) by request id: the hand-off waiting for each.
         self.handoffs: dict[str, _Transfer] = {}
         self.transfers: dict[int, _Transfer] = {}
@@ -378,22 +384,34 @@ class _Cluster:
         self.next_beat = beat + interval
 
     def views(self, now: float) -> list[WorkerView]:
-        """What the router sees of every worker (exact, or heartbeat plus its accounting)."""
+        """What the router sees of every worker: exact views, or the last heartbeats."""
         if self.config.view_interval_s <= 0:
             return [self.view(w, now) for w in self.workers]
-        out = []
-        for w in self.workers:
-            beat = w.beat
-            assert beat is not None
-            # As the gateway does (kvrouter.gateway.routing.Router.views): its exact
-            # counts laid over the heartbeat, the larger of the two.
-            out.append(
-                msgspec.structs.replace(
-                    beat,
-                    in_flight=max(beat.in_flight, w.in_flight),
-                    queued_prefill_tokens=max(beat.queued_prefill_tokens, w.tracked_prefill),
-                )
-            )
+        beats = [w.beat for w in self.workers]
+        assert all(b is not None for b in beats)
+        return [b for b in beats if b is not None]
+
+    def tracked(self, host: str) -> Load:
+        """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
+        w = self.by_host[host]
+        return Load(w.in_flight, w.tracked_prefill)
+
+    def decide(self, i: int, now: float, tokens: int, keys: list[int]) -> CoreDecision:
+        """Route trace request ``i`` through the router core, as the gateway does."""
+        rec, cfg = self.trace[i], self.config
+        request = route_request(
+            f"r{i}", cfg.model, tokens, keys, cfg.block_size, now, rec.output_length,
+            rec.session_id,
+        )  # fmt: skip
+        exact = cfg.view_interval_s <= 0
+        try:
+            out = self.core.decide(
+                request, self.views(now), None if exact else self.tracked,
+                self.index.match_sync(keys), clock=now,
+            )  # fmt: skip
+        except NoWorkerError as exc:
+            raise SimulationError(str(exc)) from exc
+        self.core.served(rec.session_id, out.worker, now)
         return out
 
     # -- requests and steps -------------------------------------------------------------
@@ -401,31 +419,17 @@ class _Cluster:
     def route(self, i: int, now: float) -> None:
         """Route trace request ``i`` with the policy (and the PD plan) and queue it."""
         rec = self.trace[i]
-        cfg = self.config
         tokens = self.prompts.tokens(rec)
         keys = self.prompts.keys(rec)
         self.deliver(now)
         rid = f"r{i}"
-        route = RouteRequest(
-            request_id=rid,
-            model=cfg.model,
-            num_tokens=len(tokens),
-            block_keys=tuple(keys),
-            block_size=cfg.block_size,
-            now=now,
-            max_tokens=rec.output_length,
-        )
-        views = self.views(now)
-        # As the gateway: decode-only workers are no prefill candidates while others exist.
-        prefill_capable = [v for v in views if v.role is not Role.DECODE]
-        matches = self.index.match_sync(keys)
-        decision = self.policy.choose(route, prefill_capable or views, matches)
-        w = self.by_host.get(decision.worker)
+        out = self.decide(i, now, len(tokens), keys)
+        decision, plan = out.decision, out.plan
+        w = self.by_host.get(out.worker)
         if w is None:
             raise SimulationError(f"policy {self.policy.name} chose unknown worker {decision}")
         predicted = decision.predicted_ttft_s
-        if self.planner is not None:
-            plan = self.planner.plan(views, w.host, predicted, len(tokens), cfg.block_size, matches)
+        if plan is not None:
             if plan.disaggregate and plan.decode is not None:
                 self.records[i] = RequestRecord(
                     i, plan.decode, now, len(tokens), predicted_ttft_s=predicted
@@ -436,7 +440,9 @@ class _Cluster:
                 return
             w = self.by_host[plan.prefill]
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
-        source = self.by_host.get(decision.kv_source or "")
+        # As the gateway: a peer's prefix is pulled only onto the policy's own choice.
+        pooled = decision.kv_source if out.worker == decision.worker else None
+        source = self.by_host.get(pooled or "")
         if source is not None and source is not w:
             have = len(w.pool.match_prefix(keys))
             held = len(source.pool.match_prefix(keys))

@@ -63,7 +63,7 @@ class TraceError(ValueError):
     """A trace line is malformed or out of range (the message names the file and line)."""
 
 
-class TraceRecord(msgspec.Struct, frozen=True):
+class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """One request of a trace.
 
     Attributes:
@@ -71,12 +71,15 @@ class TraceRecord(msgspec.Struct, frozen=True):
         input_length: Prompt tokens (>= 1).
         output_length: Tokens to generate (>= 1).
         hash_ids: One id per 512-token prompt block, prefix-chained (at least one).
+        session_id: The client's session (an extension of the Mooncake format; a
+            replay applies session affinity to it as the gateway does).
     """
 
     timestamp: Annotated[float, msgspec.Meta(ge=0)]
     input_length: Annotated[int, msgspec.Meta(ge=1)]
     output_length: Annotated[int, msgspec.Meta(ge=1)]
     hash_ids: Annotated[list[HashId], msgspec.Meta(min_length=1)]
+    session_id: str | None = None
 
 
 _decoder = msgspec.json.Decoder(TraceRecord)

@@ -33,8 +33,10 @@ from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
 from engine_worker.tokenizer import load_tokenizer
+from indexer.index.mirror import IndexMirror
 from indexer.index.redis_index import RedisIndex
 from indexer.ingest_reader import client_for
+from indexer.metrics import MirrorMetrics
 from indexer.views import Role, WorkerView
 from indexer.wire import Keyspace
 from kvrouter.gateway.affinity import SessionAffinity
@@ -117,7 +119,14 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         client = (
             await client_for(settings.redis_url, socket_timeout=1.0) if settings.redis_url else None
         )
-        index = RedisIndex(client, keyspace) if client is not None else None
+        index: RedisIndex | IndexMirror | None = None
+        if client is not None:
+            index = RedisIndex(client, keyspace)
+            if settings.index_mode == "mirror":
+                index = IndexMirror(
+                    index, client, keyspace=keyspace, metrics=MirrorMetrics(metrics.registry)
+                )
+                await index.start()
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         directory = WorkerDirectory(
             metrics=metrics,
@@ -141,6 +150,8 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         )
         if settings.replica_id:
             load.replica_id = settings.replica_id
+        planner = PdPlanner(settings.pd, load, default_profile())
+        affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         router = Router(
             models=models,
             directory=directory,
@@ -149,16 +160,16 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             policy=build_policy(
                 settings.policy,
                 settings.seed,
-                **(
-                    {"speculative_ttl_s": settings.speculative_ttl_s, "pooling": settings.pooling}
-                    if settings.policy == "kv_ttft"
-                    else {}
-                ),
+                speculative_ttl_s=settings.speculative_ttl_s,
+                pooling=settings.pooling,
             ),
             fallback=build_policy(settings.fallback_policy, settings.seed),
             metrics=metrics,
             block_size=settings.block_size,
             max_prompt_tokens=settings.max_prompt_tokens,
+            affinity=affinity,
+            planner=planner,
+            prompt_cache_bytes=int(settings.prompt_cache_mib * 1024 * 1024),
         )
         token = settings.internal_token.get_secret_value() if settings.internal_token else None
         dispatcher = Dispatcher(
@@ -171,8 +182,6 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         await directory.refresh()
         directory.start()
         load.start()
-        planner = PdPlanner(settings.pd, load, default_profile())
-        affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         limiter = RateLimiter(
             metrics, client, keyspace,
             requests_per_s=settings.rate_limit_rps, tokens_per_min=settings.rate_limit_tpm,
@@ -332,7 +341,7 @@ async def _open(
     raw: dict[str, Any] = await request.json()
     ids = None
     if gw.limiter.limits:
-        ids = gw.router.tokenize(body)
+        ids = await gw.router.tokenize_async(body)
         api_key = request.headers.get("authorization", "").partition(" ")[2].strip()
         await gw.limiter.check(client_id(api_key), len(ids) + (body.max_tokens or 0))
     # From here to the dispatcher's ticket nothing may suspend: see Router.route.
@@ -341,9 +350,9 @@ async def _open(
     if refusal := over_slo(routed.decision.predicted_ttft_s, gw.settings.admission_max_ttft_s):
         gw.metrics.admission_rejected.inc()
         raise refusal
-    worker = gw.affinity.prefer(session, routed.decision)
+    worker = routed.worker
     candidates = [worker, *[h for h in routed.decision.ranked() if h != worker]]
-    plan = _plan(gw, body.model, routed, worker)
+    plan = _plan(gw, routed)
     if body.stream:
         raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
     prefill_tokens = _prefill_tokens(routed)
@@ -360,7 +369,7 @@ async def _open(
     up = await gw.dispatcher.open(
         candidates, path, json.dumps(raw).encode(), rid, prefill_tokens, whole=not body.stream,
     )  # fmt: skip
-    gw.affinity.record(session, up.worker)
+    gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up)
 
 
@@ -440,15 +449,11 @@ async def _respond(
     )
 
 
-def _plan(gw: Gateway, model: str, routed: Routed, worker: str) -> PdPlan | None:
-    """The request's prefill/decode plan (None without a planner)."""
-    if gw.pd is None or gw.pd.mode == "never":
-        return None
-    plan = gw.pd.plan(
-        gw.directory.routable(model), worker, routed.decision.predicted_ttft_s,
-        routed.prompt_tokens, routed.request.block_size, routed.matches,
-    )  # fmt: skip
-    gw.metrics.pd_requests.labels("disaggregated" if plan.disaggregate else "colocated").inc()
+def _plan(gw: Gateway, routed: Routed) -> PdPlan | None:
+    """The request's prefill/decode plan, which the router core made (None without PD)."""
+    plan = routed.plan
+    if plan is not None:
+        gw.metrics.pd_requests.labels("disaggregated" if plan.disaggregate else "colocated").inc()
     return plan
 
 

@@ -1,9 +1,11 @@
 """From an OpenAI request body to a routing decision.
 
 tokenize (the model's own tokenizer and chat template, identical ids to the
-workers') -> block keys (``indexer.keys``) -> index lookup (one round trip)
--> policy over the routable workers, whose views are overlaid with the
-gateway's own load accounting. Each stage is timed for the
+workers'; a prompt's cached prefix is not tokenized again, and a long prompt
+is tokenized in a worker thread so the event loop keeps serving) -> block
+keys (``indexer.keys``) -> index lookup (one round trip) -> the router core
+(``kvrouter.router_core``: load overlay, policy, session affinity, PD plan),
+the same code the offline simulator runs. Each stage is timed for the
 ``kvrouter_decision_seconds{stage}`` histogram.
 
 If the index cannot answer (Redis away), routing falls back to a load-only
@@ -13,27 +15,34 @@ answers again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-from msgspec.structs import replace
 
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from engine_worker.tokenizer import Tokenizer
 from indexer.index.base import KVIndex, KVIndexError
 from indexer.keys import block_keys, root_parent
-from indexer.views import PrefixMatch, Role, WorkerView
+from indexer.views import PrefixMatch, WorkerView
+from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.pd import PdPlan, PdPlanner
+from kvrouter.gateway.prompt_tokens import PromptTokenizer, PromptTooLongError
+from kvrouter.router_core import RouterCore, candidates, overlay, route_request
 from policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
 __all__ = ["ModelTokens", "Routed", "Router"]
 
 log = logging.getLogger(__name__)
+
+#: Prompts longer than this (characters) are rendered and tokenized in a worker thread;
+#: shorter ones cost less than the hop to the thread.
+OFFLOAD_CHARS = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -46,7 +55,11 @@ class ModelTokens:
 
 @dataclass(slots=True)
 class Routed:
-    """A routing decision with what led to it."""
+    """A routing decision with what led to it.
+
+    ``worker`` is where the request goes before any PD plan: the policy's choice, or
+    the session's last worker when affinity holds; ``plan`` is the PD plan, if any.
+    """
 
     decision: Decision
     request: RouteRequest
@@ -54,6 +67,8 @@ class Routed:
     cache_aware: bool
     timings: dict[str, float] = field(default_factory=dict)
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
+    worker: str = ""
+    plan: PdPlan | None = None
 
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen worker still has to prefill."""
@@ -76,13 +91,18 @@ class Router:
         metrics: RouterMetrics,
         block_size: int,
         max_prompt_tokens: int,
+        affinity: SessionAffinity | None = None,
+        planner: PdPlanner | None = None,
+        prompt_cache_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.models = models
+        self.prompts = {
+            name: PromptTokenizer(mt.tokenizer, prompt_cache_bytes) for name, mt in models.items()
+        }
         self.directory = directory
         self.index = index
         self.load = load
-        self.policy = policy
-        self.fallback = fallback
+        self.core = RouterCore(policy, fallback, affinity, planner)
         self.metrics = metrics
         self.block_size = block_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -110,9 +130,9 @@ class Router:
                 )
             except ChatTemplateError as exc:
                 raise ApiError(400, f"cannot render the chat: {exc}", param="messages") from exc
-            ids = mt.tokenizer.encode(text, add_special_tokens=False)
+            ids = self._encode(body, text, add_special_tokens=False)
         elif isinstance(body.prompt, str):
-            ids = mt.tokenizer.encode(body.prompt)
+            ids = self._encode(body, body.prompt, add_special_tokens=True)
         else:
             ids = list(body.prompt)  # type: ignore[arg-type]
             vocab = mt.tokenizer.vocab_size
@@ -122,14 +142,42 @@ class Router:
                     "vocabulary", param="prompt", code="invalid_token_id",
                 )  # fmt: skip
         if len(ids) > self.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens, over this gateway's limit of "
-                f"{self.max_prompt_tokens}",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                code="prompt_too_long",
-            )
+            raise self._too_long(body, f"{len(ids)}")
         return ids
+
+    async def tokenize_async(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """:meth:`tokenize`, in a worker thread when the prompt is long (the loop keeps serving)."""
+        if _prompt_chars(body) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.tokenize, body)
+        return self.tokenize(body)
+
+    def _encode(
+        self, body: CompletionRequest | ChatCompletionRequest, text: str, add_special_tokens: bool
+    ) -> list[int]:
+        try:
+            return self.prompts[body.model].encode(
+                text, add_special_tokens=add_special_tokens, limit=self.max_prompt_tokens
+            )
+        except PromptTooLongError as exc:
+            raise self._too_long(body, f"{'' if exc.exact else 'at least '}{exc.at_least}") from exc
+
+    def _too_long(self, body: CompletionRequest | ChatCompletionRequest, count: str) -> ApiError:
+        return ApiError(
+            400,
+            f"the prompt has {count} tokens, over this gateway's limit of {self.max_prompt_tokens}",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="prompt_too_long",
+        )
+
+    @property
+    def policy(self) -> Policy:
+        """The routing policy."""
+        return self.core.policy
+
+    @property
+    def fallback(self) -> Policy:
+        """The load-only policy used while the index cannot answer."""
+        return self.core.fallback
 
     def _root(self, model: str, salt: str) -> int:
         key = (model, salt)
@@ -147,24 +195,7 @@ class Router:
         routed (all replicas) are current. Each term takes the larger of the two,
         so a burst routed since the last heartbeat is seen at once.
         """
-        out = []
-        routable = self.directory.routable(model)
-        # Decode-only workers take whole requests only when no other worker is left.
-        prefill_capable = any(v.role is not Role.DECODE for v in routable)
-        for v in routable:
-            if v.role is Role.DECODE and prefill_capable:
-                continue
-            tracked = self.load.load(v.host)
-            out.append(
-                replace(
-                    v,
-                    in_flight=max(v.in_flight, tracked.in_flight),
-                    queued_prefill_tokens=max(v.queued_prefill_tokens, tracked.queued_tokens),
-                )
-                if tracked.in_flight or tracked.queued_tokens
-                else v
-            )
-        return out
+        return candidates(overlay(self.directory.routable(model), self.load.load))
 
     async def route(
         self,
@@ -180,7 +211,7 @@ class Router:
         """
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        ids = self.tokenize(body) if ids is None else ids
+        ids = await self.tokenize_async(body) if ids is None else ids
         t1 = time.perf_counter()
         timings["tokenize"] = t1 - t0
         keys = block_keys(ids, self.block_size, self._root(body.model, body.cache_salt or ""))
@@ -194,35 +225,34 @@ class Router:
         # each see the load of those decided before them. Read before the lookup, a whole
         # burst saw the same idle views and piled onto the worker the first one picked.
         now = time.time()
-        workers = self.views(body.model)
-        if not workers:
+        routable = self.directory.routable(body.model)
+        if not routable:
             raise ApiError(
                 503,
                 f"no healthy worker serves `{body.model}` right now",
                 type_="service_unavailable",
                 code="no_worker",
             )
-        req = RouteRequest(
-            request_id=request_id,
-            model=body.model,
-            num_tokens=len(ids),
-            block_keys=tuple(keys),
-            block_size=self.block_size,
-            now=now,
-            max_tokens=body.max_tokens or 0,
-            session_id=session_id,
-        )
+        req = route_request(
+            request_id, body.model, len(ids), keys, self.block_size, now,
+            body.max_tokens or 0, session_id,
+        )  # fmt: skip
         # Without an index at all (no Redis) the policy still has its speculative entries;
         # with an index that fails, cached prefixes are unknown: route by load only.
-        policy = self.policy if matches is not None or self.index is None else self.fallback
         try:
-            decision = policy.choose(req, workers, matches or {})
+            out = self.core.decide(
+                req, routable, self.load.load, matches,
+                cache_aware=matches is not None or self.index is None,
+            )  # fmt: skip
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), type_="service_unavailable", code="no_worker") from exc
         timings["score"] = time.perf_counter() - t3
         for stage, seconds in timings.items():
             self.metrics.decision.labels(stage).observe(seconds)
-        return Routed(decision, req, len(ids), matches is not None, timings, matches or {})
+        return Routed(
+            out.decision, req, len(ids), matches is not None, timings, matches or {},
+            out.worker, out.plan,
+        )  # fmt: skip
 
     async def _lookup(self, keys: list[int]) -> dict[str, PrefixMatch] | None:
         if self.index is None:
@@ -259,3 +289,10 @@ class Router:
             "scores": {h: d.scores.get(h, {}) for h in ranked},
             "timings_s": routed.timings,
         }
+
+
+def _prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """The prompt's size in characters (text content only; token ids count as none)."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages)
+    return len(body.prompt) if isinstance(body.prompt, str) else 0

@@ -34,6 +34,11 @@ class RouterSettings(BaseSettings):
     block_size: int = Field(16, ge=1, le=1024)
     policy: str = "kv_ttft"
     fallback_policy: str = Field("least_load", description="routing while the index is away")
+    index_mode: Literal["mirror", "redis"] = Field(
+        "mirror",
+        description="lookups from an in-process mirror of the Redis index, or a Lua call per "
+        "lookup in Redis",
+    )
     speculative_ttl_s: float = Field(
         2.0, gt=0, description="kv_ttft: how long a routed prefix counts before its events land"
     )
@@ -47,6 +52,9 @@ class RouterSettings(BaseSettings):
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_prompt_tokens: int = Field(131072, ge=1)
+    prompt_cache_mib: float = Field(
+        64.0, ge=0, description="token ids of prompt prefixes kept per model, MiB (0 = none)"
+    )
     max_attempts: int = Field(3, ge=1, le=10, description="dispatch attempts before the first byte")
     connect_timeout_s: float = Field(2.0, gt=0)
     first_byte_timeout_s: float = Field(300.0, gt=0)

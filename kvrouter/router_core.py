@@ -1,0 +1,171 @@
+"""The router's pure core, shared by the gateway and the offline simulator.
+
+One decision, from what a router knows at that instant::
+
+    views (heartbeats)  + the router's own load counts -> overlay (the larger of each term)
+    overlay - decode-only workers (while others exist)  -> candidates
+    policy.choose(request, candidates, matches)          -> Decision
+    session affinity (the session's last worker, if the scores allow) -> worker
+    PD planner (decode worker, split or not)             -> plan
+
+No I/O and no clock of its own: the gateway calls :meth:`RouterCore.decide`
+between its index lookup and its dispatcher's ticket, with nothing suspending
+in between; the simulator calls it at each arrival with its virtual clock. So
+the simulator cannot drift from the gateway: it runs the same code on the
+same kind of inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from msgspec.structs import replace
+
+from indexer.views import PrefixMatch, Role, WorkerView
+from kvrouter.gateway.affinity import SessionAffinity
+from kvrouter.gateway.load import Load
+from kvrouter.gateway.pd import PdPlan, PdPlanner
+from policies.base import Decision, NoWorkerError, Policy, RouteRequest
+
+__all__ = ["CoreDecision", "LoadOf", "RouterCore", "candidates", "overlay", "route_request"]
+
+#: The router's own count of what it sent to a worker and not yet finished (or prefilled).
+LoadOf = Callable[[str], Load]
+
+
+def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerView]:
+    """``views`` with the router's own counts laid over them (None: the views are exact).
+
+    Heartbeats lag by up to one interval; the router's counts of what it routed are
+    current. Each term takes the larger of the two, so a burst routed since the last
+    heartbeat is seen at once.
+    """
+    if load_of is None:
+        return list(views)
+    out = []
+    for v in views:
+        tracked = load_of(v.host)
+        if tracked.in_flight or tracked.queued_tokens:
+            v = replace(
+                v,
+                in_flight=max(v.in_flight, tracked.in_flight),
+                queued_prefill_tokens=max(v.queued_prefill_tokens, tracked.queued_tokens),
+            )
+        out.append(v)
+    return out
+
+
+def candidates(views: Sequence[WorkerView]) -> list[WorkerView]:
+    """Workers that may take a whole request: decode-only ones only when no other is left."""
+    prefill_capable = [v for v in views if v.role is not Role.DECODE]
+    return prefill_capable or list(views)
+
+
+def route_request(
+    request_id: str,
+    model: str,
+    num_tokens: int,
+    keys: Sequence[int],
+    block_size: int,
+    now: float,
+    max_tokens: int = 0,
+    session_id: str | None = None,
+) -> RouteRequest:
+    """The policy's view of a request."""
+    return RouteRequest(
+        request_id=request_id,
+        model=model,
+        num_tokens=num_tokens,
+        block_keys=tuple(keys),
+        block_size=block_size,
+        now=now,
+        max_tokens=max_tokens,
+        session_id=session_id,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CoreDecision:
+    """One request's routing decision.
+
+    Attributes:
+        decision: The policy's decision (scores of every candidate).
+        worker: Where the request goes: the policy's choice, or the session's last
+            worker when affinity holds (before any PD plan).
+        plan: The prefill/decode plan (None without a planner or with ``pd never``).
+        views: The overlaid views the decision was made on (decode-only ones included).
+    """
+
+    decision: Decision
+    worker: str
+    plan: PdPlan | None
+    views: list[WorkerView]
+
+
+class RouterCore:
+    """Policy, fallback, session affinity and PD planning over overlaid views.
+
+    Args:
+        policy: The routing policy.
+        fallback: The load-only policy used while the index cannot answer.
+        affinity: Session hints (None: none).
+        planner: The PD planner (None: colocated always). It gets overlaid views, so it
+            needs no load tracker of its own.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        fallback: Policy | None = None,
+        affinity: SessionAffinity | None = None,
+        planner: PdPlanner | None = None,
+    ) -> None:
+        self.policy = policy
+        self.fallback = fallback or policy
+        self.affinity = affinity
+        self.planner = planner
+
+    def decide(
+        self,
+        request: RouteRequest,
+        views: Sequence[WorkerView],
+        load_of: LoadOf | None,
+        matches: Mapping[str, PrefixMatch] | None,
+        *,
+        cache_aware: bool = True,
+        clock: float | None = None,
+    ) -> CoreDecision:
+        """Decide where ``request`` goes.
+
+        Args:
+            request: The request's features (``session_id`` drives affinity).
+            views: Routable workers' heartbeat views (decode-only included).
+            load_of: The router's own counts per worker (None: the views are exact).
+            matches: The index's answer (None: the index failed).
+            cache_aware: False routes with the fallback policy (the index is down).
+            clock: Affinity's clock (None: monotonic time).
+
+        Raises:
+            NoWorkerError: No worker to choose from.
+        """
+        if not views:
+            raise NoWorkerError(f"no worker serves {request.model!r}")
+        laid = overlay(views, load_of)
+        policy = self.policy if cache_aware else self.fallback
+        decision = policy.choose(request, candidates(laid), matches or {})
+        worker = decision.worker
+        if self.affinity is not None:
+            worker = self.affinity.prefer(request.session_id, decision, clock)
+        plan = None
+        if self.planner is not None and self.planner.mode != "never":
+            plan = self.planner.plan(
+                laid, worker, decision.predicted_ttft_s, request.num_tokens,
+                request.block_size, matches or {},
+            )  # fmt: skip
+        return CoreDecision(decision, worker, plan, laid)
+
+    def served(self, session_id: str | None, worker: str, clock: float | None = None) -> None:
+        """Remember that ``worker`` served ``session_id`` (feeds affinity)."""
+        if self.affinity is not None:
+            self.affinity.record(session_id, worker, clock)
