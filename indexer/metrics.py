@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from indexer.events import AllCleared, BlockRemoved, BlockStored, Event
 from indexer.media import Medium
 
-__all__ = ["LOOKUP_BUCKETS", "IndexMetrics"]
+__all__ = ["LOOKUP_BUCKETS", "IndexMetrics", "MirrorMetrics"]
 
 #: Lookup latency buckets (seconds): 50 us .. 1 s.
 LOOKUP_BUCKETS = (
@@ -100,3 +100,51 @@ class IndexMetrics:
 
 
 _KIND: dict[type, str] = {BlockStored: "stored", BlockRemoved: "removed", AllCleared: "cleared"}
+
+
+class MirrorMetrics:
+    """A gateway replica's index mirror (:mod:`indexer.index.mirror`), ``kvindex_mirror_*``.
+
+    Attributes:
+        entries: (block, host) entries the mirror holds.
+        hosts: Hosts the mirror follows.
+        ready: 1 while lookups are answered from the mirror, 0 while they go to Redis.
+        lag: Seconds from a batch's publication to the mirror applying it.
+        batches: Stream messages seen, by ``result`` (applied, duplicate, gap,
+            snapshot, stale, invalid).
+        resyncs: Hosts (re)read from the Redis index, by ``reason`` (new, gap,
+            drift, reset).
+        purges: Hosts dropped because their heartbeat expired.
+        lookups: Lookups by ``source`` (mirror, redis: the fallback).
+        errors: Rounds that failed on Redis.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ns = "kvindex_mirror"
+        self.entries = Gauge("entries", "(block, host) entries held", namespace=ns,
+                             registry=registry)  # fmt: skip
+        self.hosts = Gauge("hosts", "Hosts followed", namespace=ns, registry=registry)
+        self.ready = Gauge(
+            "ready", "1 while lookups are served from the mirror", namespace=ns, registry=registry
+        )
+        self.lag = Histogram(
+            "lag_seconds", "Batch publication to mirror apply", namespace=ns, registry=registry,
+            buckets=(1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )  # fmt: skip
+        self.batches = Counter(
+            "messages", "Stream messages seen, by result", ["result"], namespace=ns,
+            registry=registry,
+        )  # fmt: skip
+        self.resyncs = Counter(
+            "resyncs", "Hosts read again from the Redis index, by reason", ["reason"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.purges = Counter("purges", "Hosts dropped as dead", namespace=ns, registry=registry)
+        self.lookups = Counter(
+            "lookups", "Lookups, by source", ["source"], namespace=ns, registry=registry
+        )
+        self.errors = Counter("errors", "Rounds failed on Redis", namespace=ns, registry=registry)
+        for r in ("new", "gap", "drift", "reset"):
+            self.resyncs.labels(reason=r)
+        for s in ("mirror", "redis"):
+            self.lookups.labels(source=s)

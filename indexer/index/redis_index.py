@@ -432,6 +432,71 @@ class RedisIndex:
         with self._guard("entries"):
             return await self._fresh(op)
 
+    async def cursors(self) -> dict[str, Cursor]:
+        """Every host's cursor, by name (one small hash: a mirror checks its own against it)."""
+
+        async def op(client: Client, registry: RedisHostRegistry) -> dict[str, Cursor]:
+            pipe = client.pipeline()
+            pipe.get(self._layout_key)
+            pipe.hgetall(self._cursor_key)
+            found, raw = await pipe.execute()
+            self._check(found)
+            names = await registry.names(int(h) for h in raw)
+            out = {}
+            for hid, cur in raw.items():
+                name, cursor = names.get(int(hid)), parse_cursor(cur)
+                if name is not None and cursor is not None:
+                    out[name] = cursor
+            return out
+
+        with self._guard("cursors"):
+            return await self._fresh(op)
+
+    async def read_host(
+        self, host: str, *, attempts: int = 5
+    ) -> tuple[Cursor | None, dict[Medium, set[int]]]:
+        """The host's cursor and blocks as of one moment: what a mirror bootstraps from.
+
+        One round trip: the cursor, every reverse bucket, the cursor again. On a
+        single Redis the reads run in MULTI/EXEC, so no script runs between them.
+        On a cluster the buckets span nodes and no transaction covers them; the
+        read is taken again until both cursor reads agree (no batch finished
+        meanwhile). A batch still half-applied across nodes at that moment can
+        show in part; replaying it on top is harmless (applying the whole batch
+        after any prefix of it gives the batch's result: docs/index.md).
+
+        Raises:
+            KVIndexError: the cursor kept moving for ``attempts`` reads.
+            IndexUnavailableError: Redis failed.
+        """
+
+        async def op(
+            client: Client, registry: RedisHostRegistry
+        ) -> tuple[Cursor | None, dict[Medium, set[int]]]:
+            hid = await registry.lookup(host)
+            if hid is None:
+                return None, {m: set() for m in MEDIA}
+            for _ in range(attempts):
+                pipe = client.pipeline(transaction=not isinstance(client, RedisCluster))
+                pipe.get(self._layout_key)
+                pipe.hget(self._cursor_key, str(hid))
+                for name in _reverse_buckets(self.layout, self.keyspace, hid):
+                    pipe.hgetall(name)
+                pipe.hget(self._cursor_key, str(hid))
+                found, before, *buckets, after = await pipe.execute()
+                self._check(found)
+                if before != after:
+                    continue
+                out: dict[Medium, set[int]] = {m: set() for m in MEDIA}
+                for bucket in buckets:
+                    for key, rank in bucket.items():
+                        out[MEDIA[int(rank)]].add(int.from_bytes(key, "big"))
+                return parse_cursor(before), out
+            raise KVIndexError(f"host {host}: its cursor moved during {attempts} reads")
+
+        with self._guard("read_host"):
+            return await self._fresh(op)
+
     async def stats(self) -> IndexStats:
         """Entries per medium (from the counters the scripts keep), hosts, memory used."""
         client, _ = await self._ready()

@@ -1,7 +1,8 @@
 """One behaviour suite for every KV index backend.
 
-Each test runs against the in-memory index, the Redis index on a throwaway
-redis-server and the Redis index on a throwaway 3-node Redis Cluster.
+Each test runs against the in-memory index, the bitmap index (a gateway
+mirror's table), the Redis index on a throwaway redis-server and the Redis
+index on a throwaway 3-node Redis Cluster.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from indexer.index import (
     MemoryIndex,
     RedisIndex,
 )
+from indexer.index.bitmap import BitmapIndex
 from indexer.index.scripts import run_script
 from indexer.media import Medium
 from indexer.metrics import IndexMetrics
@@ -38,7 +40,7 @@ HBM, DRAM, SSD = Medium.HBM, Medium.DRAM, Medium.SSD
 U64_MAX = 2**64 - 1
 #: Small buckets, so that tests put many keys in one bucket and cross groups.
 SMALL = IndexLayout(key_bits=6, host_bits=5, group_bits=4)
-BACKENDS = ["memory", "redis", "cluster"]
+BACKENDS = ["memory", "bitmap", "redis", "cluster"]
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +60,8 @@ def new_index(
     """A fresh, empty index of ``kind`` (Redis ones under a keyspace of their own)."""
     if kind == "memory":
         return MemoryIndex(metrics=metrics)
+    if kind == "bitmap":
+        return BitmapIndex(metrics=metrics)
     keyspace = Keyspace(f"t{uuid.uuid4().hex[:12]}")
     if kind == "redis":
         return RedisIndex(
