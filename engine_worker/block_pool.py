@@ -169,6 +169,9 @@ class BlockPool:
         self._cached: dict[int, Block] = {}
         self._events: list[Event] = []
         self._stats = PoolStats()
+        #: Whether ``stored`` events from :meth:`cache_block` carry the block's token ids
+        #: (set by the worker when a consumer needs them: vLLM-format events).
+        self.event_token_ids = False
         if storage is not None and enable_caching:
             self._restore(storage.restored_ssd())
 
@@ -330,8 +333,13 @@ class BlockPool:
                 else:
                     queue.append(block)
 
-    def cache_block(self, block: Block, key: int, parent: int | None) -> None:
+    def cache_block(
+        self, block: Block, key: int, parent: int | None, token_ids: list[int] | None = None
+    ) -> None:
         """Cache a full HBM block in use under ``key`` (event ``stored{[key], parent, hbm}``).
+
+        ``token_ids`` (the block's tokens) go into the event when
+        :attr:`event_token_ids` is set; callers that do not know them pass None.
 
         If ``key`` is already cached on some medium (another request computed
         the same block), the block stays uncached and no event is queued: it is
@@ -358,7 +366,8 @@ class BlockPool:
             return
         block.key, block.parent = key, parent
         self._cached[key] = block
-        self._events.append(BlockStored(keys=[key], parent=parent, medium=Medium.HBM))
+        tokens = token_ids if self.event_token_ids else None
+        self._events.append(BlockStored([key], parent, Medium.HBM, tokens))
         self._stats.stored += 1
 
     def clear_cache(self) -> bool:

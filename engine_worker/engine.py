@@ -35,7 +35,7 @@ from engine_worker.scheduler import Scheduler, SchedulerPlan, StepOutput
 from indexer.events import Event
 from indexer.media import Medium
 
-__all__ = ["EngineLoop", "EventSink", "StepRecord", "TokenEvent"]
+__all__ = ["EngineLoop", "EventSink", "SinkFanOut", "StepRecord", "TokenEvent"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -51,6 +51,23 @@ class EventSink(Protocol):
     def put_snapshot(self, blocks: dict[Medium, list[int]], ts: float) -> None:
         """A snapshot taken right after the events before it."""
         ...
+
+
+class SinkFanOut:
+    """Hands every event list and snapshot to several sinks, in order (Redis and vLLM format)."""
+
+    def __init__(self, sinks: list[EventSink]) -> None:
+        self.sinks = sinks
+
+    def put_events(self, events: list[Event]) -> None:
+        """Events drained after a step, to each sink."""
+        for sink in self.sinks:
+            sink.put_events(events)
+
+    def put_snapshot(self, blocks: dict[Medium, list[int]], ts: float) -> None:
+        """A snapshot, to each sink."""
+        for sink in self.sinks:
+            sink.put_snapshot(blocks, ts)
 
 
 @dataclass(frozen=True, slots=True)

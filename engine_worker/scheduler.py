@@ -407,8 +407,10 @@ class Scheduler:
     def _cache_full_blocks(self, req: Request) -> None:
         full = req.num_computed_tokens // self.block_size
         keys = req.ensure_keys(full * self.block_size)
+        bs, tokens = self.block_size, self.pool.event_token_ids
         for i in range(req.num_cached_blocks, full):
-            self.pool.cache_block(req.block_table[i], keys[i], req.parent_of(i))
+            ids = req.token_ids(i * bs, (i + 1) * bs) if tokens else None
+            self.pool.cache_block(req.block_table[i], keys[i], req.parent_of(i), ids)
         req.num_cached_blocks = full
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:

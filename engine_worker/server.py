@@ -24,7 +24,13 @@ from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError, encode_transfer
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
-from engine_worker.serving import Generation, full_body, prepare_chat, prepare_completion
+from engine_worker.serving import (
+    Generation,
+    Prepared,
+    full_body,
+    prepare_chat,
+    prepare_completion,
+)
 from engine_worker.serving import stream_body as _stream_body
 from engine_worker.settings import WorkerSettings
 from engine_worker.worker import Worker
@@ -116,6 +122,17 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     async def chat(body: ChatCompletionRequest, request: Request, worker: ServingDep) -> Response:
         gen = Generation(worker, prepare_chat(worker, body), request.is_disconnected)
         return await respond(gen)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(body: CompletionRequest, worker: WorkerDep) -> list[Any]:
+        """vLLM's render API: the request as token ids, nothing generated (routers that
+        hash prompts the worker's way call it, e.g. ``vllm-router --policy kv_aware``)."""
+        return [rendered(prepare_completion(worker, body))]
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any]:
+        """vLLM's render API for chat: the templated conversation as token ids."""
+        return rendered(prepare_chat(worker, body))
 
     @app.get("/v1/models")
     async def models(worker: WorkerDep) -> dict[str, Any]:
@@ -216,6 +233,23 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         }
 
     return app
+
+
+def rendered(prep: Prepared) -> dict[str, Any]:
+    """A prepared request in the shape of vLLM's ``GenerateRequest`` (render endpoints)."""
+    sp = prep.sampling
+    return {
+        "request_id": prep.request_id,
+        "model": prep.model,
+        "token_ids": prep.prompt_ids,
+        "sampling_params": {
+            "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "top_k": sp.top_k, "seed": sp.seed, "stop": prep.stops,
+            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos,
+        },
+        "cache_salt": prep.cache_salt,
+        "stream": prep.stream,
+    }  # fmt: skip
 
 
 _U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]

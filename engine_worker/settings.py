@@ -52,6 +52,14 @@ class WorkerSettings(BaseSettings):
     event_max_delay_s: float = Field(0.01, ge=0)
     event_buffer_limit: int = Field(10_000, ge=1)
     event_drop_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault hook: drop batches")
+    vllm_events_endpoint: str = Field(
+        "", description="bind a ZMQ PUB of vLLM-format KV events here (tcp://*:5557); empty = off"
+    )
+    vllm_events_replay_endpoint: str = Field(
+        "", description="bind vLLM's replay ROUTER socket here (tcp://*:5558); empty = no replay"
+    )
+    vllm_events_topic: str = Field("", description="topic frame of the vLLM-format events")
+    vllm_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     internal_token: SecretStr | None = Field(
         None, description="when set, required on every route but /health (and /metrics)"
     )
@@ -68,6 +76,8 @@ class WorkerSettings(BaseSettings):
     def _check(self) -> WorkerSettings:
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_ttl_s must exceed heartbeat_interval_s")
+        if self.vllm_events_replay_endpoint and not self.vllm_events_endpoint:
+            raise ValueError("vllm_events_replay_endpoint needs vllm_events_endpoint")
         if self.ssd_blocks > 0 and self.runner == "torch" and self.ssd_path is None:
             raise ValueError("ssd_blocks > 0 needs ssd_path with the torch runner")
         return self

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
-from engine_worker.engine import EngineLoop, StepRecord
+from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
 from engine_worker.kv_pull import KvPuller
 from engine_worker.kv_socket import KvSocketServer
 from engine_worker.kv_transfer import TransferHeader, export_blocks
@@ -34,6 +34,7 @@ from engine_worker.runners.sim import SimRunner
 from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad
 from engine_worker.settings import WorkerSettings
 from engine_worker.tokenizer import Tokenizer, load_tokenizer
+from engine_worker.vllm_events import VllmEventPublisher
 from indexer.ingest_reader import Client, client_for
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
@@ -101,6 +102,7 @@ class Worker:
         )
         self.redis: Client | None = None
         self.publisher: EventPublisher | None = None
+        self.vllm_events: VllmEventPublisher | None = None
         self.presence: Presence | None = None
         self._roots: dict[str, int] = {}
         token = settings.internal_token
@@ -206,7 +208,12 @@ class Worker:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine thread and, with Redis, the publisher and heartbeat."""
+        """Start the engine thread and, with Redis, the publisher and heartbeat; with a
+        vLLM events endpoint, the vLLM-format publisher too."""
+        sinks: list[EventSink] = []
+        if self.settings.vllm_events_endpoint:
+            self.vllm_events = self._start_vllm_events()
+            sinks.append(self.vllm_events)
         if self.settings.redis_url:
             self.redis = await client_for(self.settings.redis_url, socket_timeout=2.0)
             keyspace = Keyspace(self.settings.key_prefix)
@@ -222,7 +229,7 @@ class Worker:
                 request_snapshot=self.engine.request_snapshot,
                 seed=self.settings.seed,
             )
-            self.engine.sink = self.publisher
+            sinks.append(self.publisher)
             self.publisher.start()
             registry = RedisHostRegistry(self.redis, keyspace)
 
@@ -247,12 +254,34 @@ class Worker:
             )
             # The first message of every epoch is a snapshot (SSD blocks restored at start).
             self.engine.request_snapshot()
+        if sinks:
+            self.engine.sink = sinks[0] if len(sinks) == 1 else SinkFanOut(sinks)
         self.engine.start()
         await self.kv_server.start()
         self._lease_task = asyncio.create_task(self._expire_leases(), name="lease-expiry")
         self._refresh_state(self.scheduler)
         if self.presence is not None:
             self.presence.start()
+
+    def _start_vllm_events(self) -> VllmEventPublisher:
+        """Bind the vLLM-format event sockets (vLLM's events carry token ids: turn them on)."""
+        st = self.settings
+        pub = VllmEventPublisher(
+            st.vllm_events_endpoint,
+            block_size=self.block_size,
+            root=self.root(None),
+            replay_endpoint=st.vllm_events_replay_endpoint or None,
+            topic=st.vllm_events_topic,
+            buffer_steps=st.vllm_events_buffer_steps,
+        )
+        self.pool.event_token_ids = True
+        pub.start()
+        log.info(
+            "worker %s: vLLM-format KV events on %s (replay %s, topic %r, block_size %d)",
+            self.name, pub.endpoint, pub.replay_endpoint or "off", st.vllm_events_topic,
+            self.block_size,
+        )  # fmt: skip
+        return pub
 
     async def drain(self) -> None:
         """Withdraw before shutdown: heartbeat gone (routers drop us), new requests 503.
@@ -283,6 +312,7 @@ class Worker:
             self._stop_engine,
             self.puller.aclose,
             *([self.publisher.stop] if self.publisher is not None else []),
+            *([self._stop_vllm_events] if self.vllm_events is not None else []),
             *([self.redis.aclose] if self.redis is not None else []),
         ]
         errors = []
@@ -296,6 +326,10 @@ class Worker:
             self.storage.close()
         if errors:
             raise errors[0]
+
+    async def _stop_vllm_events(self) -> None:
+        if self.vllm_events is not None:
+            await asyncio.to_thread(self.vllm_events.stop)
 
     async def _stop_lease_task(self) -> None:
         if self._lease_task is not None:

@@ -45,6 +45,12 @@ def worker(
     time_scale: Annotated[float | None, typer.Option(help="sim: scale modeled times")] = None,
     role: Annotated[str, typer.Option(help="prefill | decode | both")] = "",
     key_prefix: Annotated[str, typer.Option(help="Redis key prefix")] = "",
+    vllm_events: Annotated[
+        str, typer.Option(help="Bind vLLM-format KV events here (ZMQ PUB, e.g. tcp://*:5557)")
+    ] = "",
+    vllm_events_replay: Annotated[
+        str, typer.Option(help="Bind the vLLM events replay socket here (e.g. tcp://*:5558)")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
 ) -> None:
     """Run one worker (settings also come from KVWORKER_* environment variables)."""
@@ -60,6 +66,7 @@ def worker(
         "device": device, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
         "profile": profile, "time_scale": time_scale, "role": role, "key_prefix": key_prefix,
+        "vllm_events_endpoint": vllm_events, "vllm_events_replay_endpoint": vllm_events_replay,
     }  # fmt: skip
     settings = WorkerSettings(**{k: v for k, v in given.items() if v not in (None, "")})
     problem = torch_missing(settings.runner)
