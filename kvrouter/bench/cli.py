@@ -347,3 +347,81 @@ def suite(
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+@bench_app.command("compare")
+def compare_live(
+    trace: Annotated[
+        list[Path], typer.Option(help="Trace file (repeatable: one table per trace).")
+    ],
+    routers: Annotated[
+        str,
+        typer.Option(
+            help="'all' or comma-separated kvrouter[:policy], vllm-router:policy, "
+            "sglang-router:cache_aware."
+        ),
+    ] = "all",
+    parts: Annotated[str, typer.Option(help="Comma-separated: replay, overhead, rps.")] = (
+        "replay,overhead,rps"
+    ),
+    workers: Annotated[int, typer.Option(help="Sim workers of the replay.")] = 4,
+    worker_time_scale: Annotated[
+        float, typer.Option(help="Multiplies the workers' modeled step times.")
+    ] = 1.0,
+    time_scale: Annotated[float, typer.Option(help="Arrival rate multiplier.")] = 1.0,
+    max_output: Annotated[int, typer.Option(help="Cap on each request's output tokens.")] = 0,
+    hbm_blocks: Annotated[int, typer.Option(help="HBM blocks per worker.")] = 2048,
+    dram_blocks: Annotated[int, typer.Option(help="DRAM blocks per worker.")] = 4096,
+    overhead_probes: Annotated[int, typer.Option(help="Probe pairs per prompt class.")] = 40,
+    rps_workers: Annotated[int, typer.Option(help="Sim workers (time scale 0) of --rps.")] = 4,
+    rps_clients: Annotated[int, typer.Option(help="Concurrent closed-loop clients.")] = 32,
+    rps_seconds: Annotated[float, typer.Option(help="Seconds per rps target.")] = 15.0,
+    log_dir: Annotated[Path, typer.Option(help="Process logs.")] = Path("var/compare"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
+) -> None:
+    """Our gateway and vllm-router / sglang-router in front of one sim fleet, side by side."""
+    import msgspec
+
+    from kvrouter.bench.compare_live import CompareConfig, run_compare, to_json
+    from kvrouter.bench.fleet import FleetConfig, RouterSpec, vllm_events_supported
+
+    console = _console()
+    chosen = [p for p in parts.split(",") if p]
+    if bad := [p for p in chosen if p not in ("replay", "overhead", "rps")]:
+        raise typer.BadParameter(f"unknown part {', '.join(bad)}", param_hint="--parts")
+    if routers == "all":
+        routers = ("kvrouter,vllm-router:round_robin,vllm-router:cache_aware,"
+                   "vllm-router:kv_aware,sglang-router:cache_aware")  # fmt: skip
+    try:
+        specs = [RouterSpec.parse(r) for r in routers.split(",") if r.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--routers") from exc
+    if not vllm_events_supported() and any(s.policy == "kv_aware" for s in specs):
+        console.print("[yellow]vllm-router:kv_aware skipped: the workers cannot publish vLLM "
+                      "KV events yet (no KVWORKER_VLLM_EVENTS_ENDPOINT)[/yellow]")  # fmt: skip
+        specs = [s for s in specs if s.policy != "kv_aware"]
+    traces = []
+    for path in trace:
+        records = _load(path, limit)
+        if max_output > 0:
+            records = [msgspec.structs.replace(r, output_length=min(r.output_length, max_output))
+                       for r in records]  # fmt: skip
+        console.print(f"{path}: {describe_trace(records)}")
+        traces.append((path.stem, records))
+    fleet = FleetConfig(workers=workers, time_scale=worker_time_scale, hbm_blocks=hbm_blocks,
+                        dram_blocks=dram_blocks)  # fmt: skip
+    config = CompareConfig(specs, fleet, time_scale=time_scale, overhead_probes=overhead_probes,
+                           rps_workers=rps_workers, rps_clients=rps_clients,
+                           rps_seconds=rps_seconds)  # fmt: skip
+    replays, overhead, rps = run_compare(traces, config, chosen, log_dir, console)
+    if json_out is not None:
+        json_out.write_bytes(to_json(replays, overhead, rps, {
+            "traces": [str(t) for t in trace], "routers": [s.name for s in specs],
+            "workers": workers, "worker_time_scale": worker_time_scale,
+            "time_scale": time_scale, "max_output": max_output,
+        }))  # fmt: skip
+    failed = sum(r.errors for r in replays) + sum(r.errors for r in overhead)
+    if failed:
+        console.print(f"[red]{failed} requests failed[/red]")
+        raise typer.Exit(code=1)

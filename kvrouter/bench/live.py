@@ -10,6 +10,12 @@ tokens per medium from the usage chunk) feed the same
 cluster's Redis, workers are found through their heartbeats: their step
 time counters give busy time per worker (load imbalance) and their
 capacities give the oracle bound.
+
+A replay through another router (``kvrouter bench compare``) passes
+``prompt`` (text prompts, :mod:`kvrouter.bench.text_prompts`) and the
+workers' URLs instead of Redis; such a router sends no ``x-kvrouter-worker``
+header, so its records name worker ``"?"`` and busy time still comes from
+the workers themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -65,20 +71,20 @@ async def cluster_views(
     return [v for v in views if model is None or v.model == model]
 
 
-async def _busy(http: httpx.AsyncClient, views: Sequence[WorkerView]) -> dict[str, float]:
-    """Step time so far per worker that answers; a dead worker's heartbeat outlives it by
-    up to its TTL, so one that does not answer is left out, not fatal."""
+async def _busy(http: httpx.AsyncClient, urls: Mapping[str, str]) -> dict[str, float]:
+    """Step time so far per worker (host -> URL) that answers; a dead worker's heartbeat
+    outlives it by up to its TTL, so one that does not answer is left out, not fatal."""
     out = {}
-    for v in views:
+    for host, url in urls.items():
         try:
-            r = await http.get(f"{v.url}/metrics", timeout=10)
+            r = await http.get(f"{url}/metrics", timeout=10)
             r.raise_for_status()
         except httpx.HTTPError as exc:
-            log.warning("live replay: worker %s at %s does not answer (%s); left out", v.host,
-                        v.url, exc)  # fmt: skip
+            log.warning("live replay: worker %s at %s does not answer (%s); left out", host,
+                        url, exc)  # fmt: skip
             continue
         m = _STEP_SUM.search(r.content)
-        out[v.host] = float(m.group(1)) if m else 0.0
+        out[host] = float(m.group(1)) if m else 0.0
     return out
 
 
@@ -121,16 +127,24 @@ async def replay_live(
     redis_url: str | None = None,
     api_key: str | None = None,
     progress: Callable[[int], None] | None = None,
+    prompt: Callable[[TraceRecord], str | list[int]] | None = None,
+    worker_urls: Mapping[str, str] | None = None,
 ) -> LiveResult:
-    """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``)."""
+    """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``).
+
+    ``prompt`` replaces the token-id prompts (text, say); ``worker_urls`` (host -> URL)
+    names the workers whose busy time to read when there is no ``redis_url``.
+    """
     factory = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
+    make_prompt = prompt or factory.tokens
     arrivals = arrival_times(trace, time_scale)
     views = await cluster_views(redis_url, model=model) if redis_url else []
+    urls = dict(worker_urls) if worker_urls is not None else {v.host: v.url for v in views}
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     records = [RequestRecord(i, "?", arrivals[i], rec.input_length) for i, rec in enumerate(trace)]
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        before = await _busy(http, views)
+        before = await _busy(http, urls)
         views = [v for v in views if v.host in before]
         t0 = time.perf_counter()
 
@@ -139,9 +153,9 @@ async def replay_live(
             delay = arrivals[i] - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = {
+            body: dict[str, object] = {
                 "model": model,
-                "prompt": factory.tokens(rec),
+                "prompt": make_prompt(rec),
                 "max_tokens": max(rec.output_length, 1),
                 "ignore_eos": True,
                 "temperature": 0,
@@ -157,7 +171,7 @@ async def replay_live(
             return ok
 
         results = await asyncio.gather(*(run(i) for i in range(len(trace))))
-        after = await _busy(http, views)
+        after = await _busy(http, {h: u for h, u in urls.items() if h in before})
     busy = {h: after[h] - before.get(h, 0.0) for h in after}
     oracle = None
     if views:
