@@ -50,6 +50,9 @@ def up(
     ssd_blocks: Annotated[int, typer.Option(help="SSD KV blocks per worker (0 = off)")] = 0,
     log_dir: Annotated[Path, typer.Option(help="Where children write their logs")] = Path("var/up"),
     start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health")] = 600.0,
+    drain_s: Annotated[
+        float, typer.Option(min=0.0, help="On Ctrl-C: seconds in-flight requests may finish")
+    ] = 10.0,
 ) -> None:
     """Start Redis, the indexer, N workers and the gateway; Ctrl-C stops them all."""
     from rich.console import Console
@@ -85,6 +88,8 @@ def up(
             "KVINDEX_REDIS_URL": redis_url, "KVWORKER_REDIS_URL": redis_url,
             "KVROUTER_REDIS_URL": redis_url,
             "KVWORKER_INTERNAL_TOKEN": token, "KVROUTER_INTERNAL_TOKEN": token,
+            # Children drain for drain_s on SIGTERM; stop_all waits a little longer.
+            "KVWORKER_DRAIN_S": str(drain_s), "KVROUTER_DRAIN_S": str(drain_s),
         },
     )  # fmt: skip
     py = [sys.executable, "-m", "kvrouter"]
@@ -147,7 +152,7 @@ def up(
         code = 1
     finally:
         console.print("stopping...")
-        sup.stop_all()
+        sup.stop_all(grace_s=drain_s + 5.0)
         if embedded is not None:
             embedded.close()
     raise typer.Exit(code)
