@@ -27,7 +27,6 @@ tenth of a millisecond where a per-host walk
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Sequence
 
 from indexer.events import AllCleared, BlockStored, EventBatch, Snapshot
@@ -42,6 +41,7 @@ from indexer.index.base import (
     check_keys,
     snapshot_is_stale,
 )
+from indexer.index.in_process import InProcessIndex
 from indexer.media import MEDIA, Medium
 from indexer.metrics import IndexMetrics
 from indexer.views import PrefixMatch
@@ -61,7 +61,7 @@ def _flip(changed: int, now: int, at: int, starts: dict[int, int], counts: dict[
             counts[slot] = counts.get(slot, 0) + at - starts.pop(slot)
 
 
-class BitmapIndex:
+class BitmapIndex(InProcessIndex):
     """A :class:`~indexer.index.base.KVIndex` in this process, bitmaps per block key.
 
     The ``*_sync`` methods are the pure core (no I/O, no clock); the async
@@ -298,60 +298,3 @@ class BitmapIndex:
     def stats_sync(self) -> IndexStats:
         """Entries per medium and hosts with a cursor."""
         return IndexStats(dict(zip(MEDIA, self._per_medium, strict=True)), len(self._cursors))
-
-    # -- KVIndex ------------------------------------------------------------
-
-    async def apply(self, batch: EventBatch) -> ApplyResult:
-        """See :meth:`apply_sync`."""
-        result = self.apply_sync(batch)
-        if self.metrics is not None:
-            self.metrics.record_batch(result.status.value, batch.events, result.blocks)
-        return result
-
-    async def replace(self, snapshot: Snapshot) -> bool:
-        """See :meth:`replace_sync`."""
-        done = self.replace_sync(snapshot)
-        if self.metrics is not None:
-            self.metrics.snapshots.labels(result="replaced" if done else "stale").inc()
-        return done
-
-    async def purge(self, host: str) -> int:
-        """See :meth:`purge_sync`."""
-        n = self.purge_sync(host)
-        if self.metrics is not None:
-            self.metrics.purges.inc()
-            self.metrics.purged_entries.inc(n)
-        return n
-
-    async def match(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
-        """See :meth:`match_sync`; raises InvalidKeyError for a key that is not a u64."""
-        check_keys(keys)
-        if self.metrics is None:
-            return self.match_sync(keys)
-        start = time.perf_counter()
-        out = self.match_sync(keys)
-        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
-        self.metrics.lookup_blocks.observe(len(keys))
-        return out
-
-    async def cursor(self, host: str) -> Cursor | None:
-        """See :meth:`cursor_sync`."""
-        return self.cursor_sync(host)
-
-    async def hosts(self) -> list[str]:
-        """See :meth:`hosts_sync`."""
-        return self.hosts_sync()
-
-    async def entries(self, host: str) -> dict[Medium, set[int]]:
-        """See :meth:`entries_sync`."""
-        return self.entries_sync(host)
-
-    async def stats(self) -> IndexStats:
-        """See :meth:`stats_sync`."""
-        stats = self.stats_sync()
-        if self.metrics is not None:
-            self.metrics.record_stats(stats.entries, None)
-        return stats
-
-    async def close(self) -> None:
-        """Nothing to release."""

@@ -11,7 +11,6 @@ reverse ``host_id -> {key: rank}`` that makes a purge O(the host's blocks).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from indexer.events import AllCleared, BlockStored, EventBatch, Snapshot
@@ -23,9 +22,9 @@ from indexer.index.base import (
     batch_blocks,
     batch_order,
     check_events,
-    check_keys,
     snapshot_is_stale,
 )
+from indexer.index.in_process import InProcessIndex
 from indexer.index.prefix import longest_prefixes, to_matches
 from indexer.media import MEDIA, Medium
 from indexer.metrics import IndexMetrics
@@ -35,7 +34,7 @@ from indexer.views import PrefixMatch
 __all__ = ["MemoryIndex"]
 
 
-class MemoryIndex:
+class MemoryIndex(InProcessIndex):
     """A :class:`~indexer.index.base.KVIndex` held in this process.
 
     Args:
@@ -172,64 +171,11 @@ class MemoryIndex:
             out[MEDIA[rank]].add(key)
         return out
 
+    def hosts_sync(self) -> list[str]:
+        """Hosts with a cursor, sorted."""
+        return sorted(self.registry.name_of(hid) for hid in self._cursors)
+
     def stats_sync(self) -> IndexStats:
         """Entries per medium and hosts with a cursor."""
         entries = dict(zip(MEDIA, self._per_medium, strict=True))
         return IndexStats(entries, len(self._cursors), None)
-
-    # -- KVIndex ------------------------------------------------------------
-
-    async def apply(self, batch: EventBatch) -> ApplyResult:
-        """See :meth:`apply_sync`."""
-        result = self.apply_sync(batch)
-        if self.metrics is not None:
-            self.metrics.record_batch(result.status.value, batch.events, result.blocks)
-        return result
-
-    async def replace(self, snapshot: Snapshot) -> bool:
-        """See :meth:`replace_sync`."""
-        done = self.replace_sync(snapshot)
-        if self.metrics is not None:
-            self.metrics.snapshots.labels(result="replaced" if done else "stale").inc()
-        return done
-
-    async def purge(self, host: str) -> int:
-        """See :meth:`purge_sync`."""
-        n = self.purge_sync(host)
-        if self.metrics is not None:
-            self.metrics.purges.inc()
-            self.metrics.purged_entries.inc(n)
-        return n
-
-    async def match(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
-        """See :meth:`match_sync`; raises InvalidKeyError for a key that is not a u64."""
-        check_keys(keys)
-        if self.metrics is None:
-            return self.match_sync(keys)
-        start = time.perf_counter()
-        out = self.match_sync(keys)
-        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
-        self.metrics.lookup_blocks.observe(len(keys))
-        return out
-
-    async def cursor(self, host: str) -> Cursor | None:
-        """See :meth:`cursor_sync`."""
-        return self.cursor_sync(host)
-
-    async def hosts(self) -> list[str]:
-        """Hosts with a cursor, sorted."""
-        return sorted(self.registry.name_of(hid) for hid in self._cursors)
-
-    async def entries(self, host: str) -> dict[Medium, set[int]]:
-        """See :meth:`entries_sync`."""
-        return self.entries_sync(host)
-
-    async def stats(self) -> IndexStats:
-        """See :meth:`stats_sync`."""
-        stats = self.stats_sync()
-        if self.metrics is not None:
-            self.metrics.record_stats(stats.entries, None)
-        return stats
-
-    async def close(self) -> None:
-        """Nothing to release."""
