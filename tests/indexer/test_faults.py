@@ -181,10 +181,11 @@ async def stream(client: aioredis.Redis, host: str, after: bytes | None = None) 
 
 
 def holes(messages: list[Any]) -> int:
-    """Seqs missing among the batches of the latest epoch (dropped on the way)."""
+    """Seqs missing among the batches of the latest epoch still in the stream (dropped on
+    the way; the ingester trims what it applied, so only gaps between kept entries count)."""
     epoch = messages[-1][1].epoch
     seqs = {m.seq for _, m in messages if isinstance(m, EventBatch) and m.epoch == epoch}
-    return max(seqs, default=0) - len(seqs)
+    return max(seqs) - min(seqs) + 1 - len(seqs) if seqs else 0
 
 
 async def caught_up(client: aioredis.Redis, index: RedisIndex, hosts: Sequence[str]) -> bool:
