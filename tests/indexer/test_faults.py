@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from indexer.audit import AuditReport, audit, live_workers, render
-from indexer.events import EventBatch, decode_message
+from indexer.events import decode_message
 from indexer.index import RedisIndex
 from indexer.ingest import Ingester
 from indexer.wire import EVENT_FIELD
@@ -180,14 +180,6 @@ async def stream(client: aioredis.Redis, host: str, after: bytes | None = None) 
     return [(eid, decode_message(f[EVENT_FIELD])) for eid, f in entries]
 
 
-def holes(messages: list[Any]) -> int:
-    """Seqs missing among the batches of the latest epoch still in the stream (dropped on
-    the way; the ingester trims what it applied, so only gaps between kept entries count)."""
-    epoch = messages[-1][1].epoch
-    seqs = {m.seq for _, m in messages if isinstance(m, EventBatch) and m.epoch == epoch}
-    return max(seqs) - min(seqs) + 1 - len(seqs) if seqs else 0
-
-
 async def caught_up(client: aioredis.Redis, index: RedisIndex, hosts: Sequence[str]) -> bool:
     """Whether the index's cursor of each host is its stream's newest (epoch, seq)."""
     for host in hosts:
@@ -208,12 +200,12 @@ async def test_dropped_batches_are_repaired_by_snapshots_and_the_audit_matches(
     async with ingesting(redis_proc.url) as (ing, index):
         deadline = time.monotonic() + 90
         rnd = 0
-        while holes(await stream(client, "f3")) < 1:
+        # The ingester trims the batches it applied, so the drop is seen by what it counted.
+        while ing.metrics.batch_count("gap") < 1:
             assert time.monotonic() < deadline, "f3 dropped no batch: nothing was tested"
             rnd += 1
             await workload(urls, 24, seed=rnd)
         await audit_matches(client, index, list(pool))
-        assert ing.metrics.batch_count("gap") >= 1
         assert ing.metrics.registry.get_sample_value(
             "kvindex_ingest_snapshot_requests_total", {"reason": "gap"}
         )
@@ -338,19 +330,21 @@ async def test_long_run_with_drops_restarts_and_a_kill(
     redis_proc: RedisProcess, tmp_path: Path
 ) -> None:
     procs = [
-        worker(f"l{i}", redis_proc.url, tmp_path, KVWORKER_EVENT_DROP_RATE="0.01",
+        worker(f"l{i}", redis_proc.url, tmp_path, KVWORKER_EVENT_DROP_RATE="0.05",
                KVWORKER_SEED=str(i + 1))
         for i in range(3)
-    ]  # fmt: skip
+    ]  # fmt: skip  (~220 batches in the first phase: at 5%, none dropped has odds 1e-5)
     start_all(procs)
     names = [f"l{i}" for i in range(3)]
     urls = [base_url(p) for p in procs]
     client = aioredis.Redis.from_url(redis_proc.url)
     try:
-        async with ingesting(redis_proc.url, "a") as (_, index):
+        async with ingesting(redis_proc.url, "a") as (ing, index):
             await workload(urls, 300, seed=400, concurrency=8)
             await audit_matches(client, index, names)
-            assert sum([holes(await stream(client, n)) for n in names]) >= 1
+            # Batches were dropped on the way and the index still matches: the ingester saw
+            # the holes (the stream itself is trimmed as batches are applied).
+            assert ing.metrics.batch_count("gap") >= 1
         async with ingesting(redis_proc.url, "b") as (_, index):
             await workload(urls, 150, seed=401, concurrency=8)
             await audit_matches(client, index, names)
