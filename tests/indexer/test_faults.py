@@ -329,11 +329,12 @@ async def test_a_killed_workers_entries_are_purged_within_the_heartbeat_ttl(
 async def test_long_run_with_drops_restarts_and_a_kill(
     redis_proc: RedisProcess, tmp_path: Path
 ) -> None:
+    # ~220 batches in the first phase: at 5% dropped, the odds of none are about 1e-5.
     procs = [
         worker(f"l{i}", redis_proc.url, tmp_path, KVWORKER_EVENT_DROP_RATE="0.05",
                KVWORKER_SEED=str(i + 1))
         for i in range(3)
-    ]  # fmt: skip  (~220 batches in the first phase: at 5%, none dropped has odds 1e-5)
+    ]  # fmt: skip
     start_all(procs)
     names = [f"l{i}" for i in range(3)]
     urls = [base_url(p) for p in procs]
