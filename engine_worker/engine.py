@@ -230,6 +230,8 @@ class EngineLoop:
             if req is not None:
                 self._deliver(cmd.request_id, self._event(req, None, None))
         elif cmd.fn is not None:
+            if cmd.future is not None and not cmd.future.set_running_or_notify_cancel():
+                return  # the caller gave up before it ran (a cancelled task)
             try:
                 result = cmd.fn(self.scheduler)
             except BaseException as exc:  # the caller gets it through its future
