@@ -302,6 +302,36 @@ class BlockPool:
             self._stats.hits[block.medium] += 1
         return [b if b.medium is Medium.HBM else self._promote(b) for b in blocks]
 
+    def pin(self, blocks: Sequence[Block]) -> list[Block]:
+        """Take one reference on cached HBM blocks so that nothing evicts or moves them
+        while another party reads them (a KV transfer); counted as no hit.
+
+        Release them with :meth:`free`.
+
+        Raises:
+            PoolError: A block is not a cached HBM block of this pool, or is repeated;
+                nothing changed.
+        """
+        seen: set[int] = set()
+        cached = self._cached
+        for block in blocks:
+            if (
+                block.medium is not Medium.HBM
+                or block.key is None
+                or cached.get(block.key) is not block
+                or not self._owns(block)
+            ):
+                raise PoolError(f"{block!r} is not a cached HBM block of this pool")
+            if id(block) in seen:
+                raise PoolError(f"block {block.block_id} pinned twice")
+            seen.add(id(block))
+        queue = self._queues[Medium.HBM]
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+        return list(blocks)
+
     def free(self, blocks: Sequence[Block]) -> None:
         """Drop one reference on each block.
 

@@ -1,13 +1,14 @@
 """Pulling KV blocks from another worker: only what this worker lacks, validated, timed.
 
 :class:`KvPuller` asks its own pool how much of a run of keys it holds
-already, requests the rest from the source worker's ``POST /kv/blocks`` in
-windows of at most :data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS`
-over the source's KV data socket (:mod:`engine_worker.kv_socket`; HTTP when
-it has none),
-validates each window in full (:func:`~engine_worker.kv_transfer.read_transfer`)
-and only then imports it on the engine thread. A failure leaves the blocks
-imported so far (each a valid prefix) and raises
+already, then requests the rest in windows of at most
+:data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS` over the source's KV data
+socket (:mod:`engine_worker.kv_socket`): once a window's header is valid, fresh
+HBM blocks are reserved on the engine thread and each block is received straight
+into one and checked; the window is cached only when all of it is valid, else
+its blocks go back uncached. A source without a data port is pulled over HTTP
+(``POST /kv/blocks``), validated in full, then imported. A failure leaves the
+windows imported so far (each a valid prefix) and raises
 :class:`~engine_worker.kv_transfer.TransferError`: the caller computes what
 is missing. Every pull is timed end to end (request to last byte) and folded
 into the worker's transfer bandwidth, which its heartbeat publishes.
@@ -15,9 +16,11 @@ into the worker's transfer bandwidth, which its heartbeat publishes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -29,11 +32,13 @@ from engine_worker.kv_socket import fetch_blocks
 from engine_worker.kv_transfer import (
     MAX_TRANSFER_BLOCKS,
     Expected,
+    Reservation,
     TransferError,
     TransferHeader,
     expected_for,
     import_blocks,
     read_transfer,
+    reserve_import,
 )
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.scheduler import Scheduler
@@ -175,25 +180,62 @@ class KvPuller:
         layout = self.storage.layout if self.storage is not None else None
         expected = expected_for(self.model, self.block_size, layout, keys)
         port = await self._data_port(source_url)
-        if port is not None:
-            host = httpx.URL(source_url).host
-            header, blocks, received = await fetch_blocks(
-                host, port, self._token, keys, release, expected, self._timeout_s
-            )
-        else:
+        if port is None:
             header, blocks, received = await self._http_window(source_url, keys, release, expected)
-        if not header.keys:
+            if not header.keys:
+                return 0, received
+            storage = self.storage
+
+            def put(pool: BlockPool) -> int:
+                return import_blocks(pool, storage, header.parent, header.keys, blocks)
+
+            return await self._on_pool(put), received
+        # The data socket: blocks land in fresh HBM blocks reserved once the header is
+        # valid, cached only when the whole window is (or given back uncached).
+        reservation: Reservation | None = None
+
+        async def land(header: TransferHeader) -> Sequence[memoryview]:
+            nonlocal reservation
+            storage = self.storage
+
+            def reserve(s: Scheduler) -> Reservation:
+                return reserve_import(s.pool, storage, header.parent, header.keys)
+
+            future = self.engine.call(reserve)
+            try:
+                reservation = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                # Reserved on the engine thread after all: give it back when it lands.
+                future.add_done_callback(self._give_back_late)
+                raise
+            return reservation.views
+
+        try:
+            header, _, received = await fetch_blocks(
+                httpx.URL(source_url).host, port, self._token, keys, release, expected,
+                self._timeout_s, land,
+            )  # fmt: skip
+        except BaseException:
+            if reservation is not None:
+                self._give_back(reservation)
+            raise
+        if reservation is None:
             return 0, received
-        storage = self.storage
+        done = reservation
+        return await self._on_pool(lambda _: done.commit()), received
 
-        def put(pool: BlockPool) -> int:
-            return import_blocks(pool, storage, header.parent, header.keys, blocks)
+    def _give_back_late(self, future: Future[Reservation]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._give_back(future.result())
 
-        return await self._on_pool(put), received
+    def _give_back(self, reservation: Reservation) -> None:
+        """Abort a reservation on the engine thread (also from a cancelled task)."""
+        if self.engine.alive:
+            self.engine.call(lambda _: reservation.abort())
 
     async def _http_window(
         self, source_url: str, keys: list[int], release: str | None, expected: Expected
-    ) -> tuple[TransferHeader, list[bytes], int]:
+    ) -> tuple[TransferHeader, Sequence[memoryview], int]:
         """One window over ``POST /kv/blocks`` (a source without a data port)."""
         received = 0
         url = f"{source_url.rstrip('/')}/kv/blocks"

@@ -10,6 +10,11 @@ One request per connection::
     server -> the transfer (:mod:`engine_worker.kv_transfer`: b"KVX1" header + blocks)
            or b"KVE1" | u32 length | msgpack {"reason", "message"}; then it closes.
 
+Both ends use plain non-blocking sockets on the event loop: the server sends
+blocks from the pinned KV tensor itself, the client receives each block into the
+pool block reserved for it (:func:`~engine_worker.kv_transfer.read_transfer` with a
+landing), so the bytes are copied only by the kernel, as in a raw socket copy.
+
 The request is bounded (1 MiB, 10 s to arrive), the internal token compared
 in constant time, the keys capped like ``POST /kv/blocks``. A worker's data
 port is found once per source through ``GET /kv/endpoint`` (internal token).
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -30,11 +36,15 @@ from engine_worker.kv_transfer import (
     MAX_HEADER_BYTES,
     MAX_TRANSFER_BLOCKS,
     Expected,
+    Landing,
+    Outgoing,
+    SocketReader,
     TransferError,
     TransferHeader,
     encode_transfer,
     read_transfer,
 )
+from indexer.tasks import cancel_and_wait
 
 __all__ = ["KvSocketServer", "fetch_blocks"]
 
@@ -66,7 +76,8 @@ _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(TransferRequest)
 _refusal_decoder = msgspec.msgpack.Decoder(TransferRefusal)
 
-Export = Callable[[Sequence[int], str | None], Awaitable[tuple[TransferHeader, list[bytes]]]]
+#: Serves a request: the blocks to send (released by the server once sent).
+Export = Callable[[Sequence[int], str | None], Awaitable[Outgoing]]
 
 
 def _frame(tag: bytes, body: bytes) -> bytes:
@@ -74,61 +85,86 @@ def _frame(tag: bytes, body: bytes) -> bytes:
 
 
 class KvSocketServer:
-    """Serves transfers on ``host:port`` (0: any free port) from ``export``."""
+    """Serves transfers on ``host:port`` (0: any free port) from ``export``.
+
+    Plain non-blocking sockets on the event loop: each block goes from the source's
+    memory to the kernel in one ``send`` call sequence, as in a raw socket copy.
+    """
 
     def __init__(self, export: Export, token: str | None, host: str, port: int = 0) -> None:
         self._export = export
         self._token = token
         self._host, self._port = host, port
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
         """The bound port (after :meth:`start`)."""
-        if self._server is None or not self._server.sockets:
+        if self._listener is None:
             raise RuntimeError("the KV data socket is not listening")
-        port: int = self._server.sockets[0].getsockname()[1]
+        port: int = self._listener.getsockname()[1]
         return port
 
     async def start(self) -> None:
         """Listen."""
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        listener = socket.create_server((self._host, self._port), reuse_port=False)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept(listener))
 
     async def stop(self) -> None:
         """Stop listening and close open connections."""
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
+        await cancel_and_wait(tasks)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                log.warning("KV data socket: accept failed: %r", exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
             try:
-                request = await asyncio.wait_for(self._request(reader), _REQUEST_TIMEOUT_S)
+                request = await asyncio.wait_for(self._request(conn), _REQUEST_TIMEOUT_S)
             except TransferError as exc:
-                writer.write(_frame(_ERROR, _encoder.encode(TransferRefusal(
-                    reason=exc.reason, message=str(exc)))))  # fmt: skip
-                await writer.drain()
+                refusal = TransferRefusal(reason=exc.reason, message=str(exc))
+                await loop.sock_sendall(conn, _frame(_ERROR, _encoder.encode(refusal)))
+                await _linger(conn)
                 return
-            header, blocks = await self._export(request.keys, request.release)
-            writer.write(encode_transfer(header))
-            for block in blocks:
-                writer.write(block)
-                await writer.drain()
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            out = await self._export(request.keys, request.release)
+            try:
+                await loop.sock_sendall(conn, encode_transfer(out.header))
+                for payload in out.payload:
+                    await loop.sock_sendall(conn, payload)
+            finally:
+                out.close()
+        except (TimeoutError, OSError) as exc:
             log.info("KV data connection dropped: %r", exc)
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            conn.close()
 
-    async def _request(self, reader: asyncio.StreamReader) -> TransferRequest:
-        tag, length = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-        if tag != _REQUEST or length > MAX_HEADER_BYTES:
-            raise TransferError("request", "not a KV transfer request")
+    async def _request(self, conn: socket.socket) -> TransferRequest:
+        reader = SocketReader(conn)
         try:
-            request = _request_decoder.decode(await reader.readexactly(length))
+            tag, length = _FRAME.unpack(await reader.read(_FRAME.size, "request"))
+            if tag != _REQUEST or length > MAX_HEADER_BYTES:
+                raise TransferError("request", "not a KV transfer request")
+            request = _request_decoder.decode(await reader.read(length, "request"))
         except msgspec.MsgspecError as exc:
             raise TransferError("request", f"bad request: {exc}") from exc
         if self._token is not None and not hmac.compare_digest(
@@ -142,6 +178,17 @@ class KvSocketServer:
         return request
 
 
+async def _linger(conn: socket.socket, limit: int = 1 << 20, timeout_s: float = 1.0) -> None:
+    """Half-close and discard what the peer still sends (a little, briefly): closing a
+    socket with unread bytes resets the connection, and the peer could lose our answer."""
+    loop = asyncio.get_running_loop()
+    conn.shutdown(socket.SHUT_WR)
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(timeout_s):
+            while limit > 0 and (chunk := await loop.sock_recv(conn, 65536)):
+                limit -= len(chunk)
+
+
 async def fetch_blocks(
     host: str,
     port: int,
@@ -150,36 +197,40 @@ async def fetch_blocks(
     release: str | None,
     expected: Expected,
     timeout_s: float,
-) -> tuple[TransferHeader, list[bytes], int]:
-    """Pull ``keys`` from the data port at ``host:port``; validated as :func:`read_transfer`.
+    land: Landing | None = None,
+) -> tuple[TransferHeader, Sequence[memoryview], int]:
+    """Pull ``keys`` from the data port at ``host:port``; validated as :func:`read_transfer`
+    (blocks received where ``land`` says, by default into fresh buffers).
 
     Returns the header, the blocks and the bytes received.
 
     Raises:
         TransferError: Refused (the server's reason), unreachable (``http``), or invalid.
     """
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=1 << 22), timeout_s
-        )
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as exc:
+        raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
+    try:
+        sock.setblocking(False)
+        async with asyncio.timeout(timeout_s):
+            await loop.sock_connect(sock, address)
+            request = TransferRequest(token=token, keys=list(keys), release=release)
+            await loop.sock_sendall(sock, _frame(_REQUEST, _encoder.encode(request)))
+            reader = SocketReader(sock)
+            head = await reader.read(_FRAME.size, "prefix")
+            tag, length = _FRAME.unpack(head)
+            if tag == _ERROR:
+                body = await reader.read(min(length, 1 << 16), "refusal")
+                refusal = _refusal_decoder.decode(body)
+                raise TransferError(refusal.reason, refusal.message)
+            reader.push_back(head)
+            header, blocks = await read_transfer(reader, expected, land)
+        return header, blocks, _FRAME.size + length + header.block_bytes * len(blocks)
     except (OSError, TimeoutError) as exc:
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
-    try:
-        request = TransferRequest(token=token, keys=list(keys), release=release)
-        writer.write(_frame(_REQUEST, _encoder.encode(request)))
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readexactly(_FRAME.size), timeout_s)
-        tag, length = _FRAME.unpack(head)
-        if tag == _ERROR:
-            refusal = _refusal_decoder.decode(await reader.readexactly(min(length, 1 << 16)))
-            raise TransferError(refusal.reason, refusal.message)
-        header, blocks = await asyncio.wait_for(
-            read_transfer(reader, expected, head=head), timeout_s
-        )
-        return header, blocks, _FRAME.size + length + header.block_bytes * len(blocks)
-    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
     finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+        sock.close()

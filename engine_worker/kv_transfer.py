@@ -1,6 +1,7 @@
 """Binary KV block transfer between workers: the wire format, its validation, and the pool side.
 
-A transfer is one HTTP response body::
+A transfer is one stream (over the data socket, :mod:`engine_worker.kv_socket`, or an
+HTTP response body)::
 
     b"KVX1" | u32 header length (big-endian) | header (msgpack) | block 0 | block 1 | ...
 
@@ -18,15 +19,19 @@ what it asked for, the exact byte count (a truncated or overlong stream is
 refused) and every checksum. A refused transfer raises :class:`TransferError`
 whose ``reason`` labels the worker's failure metric; the caller recomputes.
 
-Serving reads every requested block in one call on the engine thread, between
-two steps (:func:`export_blocks`): the scheduler cannot evict or overwrite a
-block while it is being copied out, so a transfer is never torn, and the
-response streams from that copy. Requests are capped at
-:data:`MAX_TRANSFER_BLOCKS` blocks; a client pulls longer runs in windows.
-Imported blocks (:func:`import_blocks`) are written into fresh HBM blocks and
-cached under their keys, so the pool announces them with ``stored`` events
-like any block it computed, then released to the free queue like a finished
-request's prefix.
+Serving takes every requested block in one call on the engine thread, between
+two steps (:func:`export_pinned`): blocks in host-memory HBM are pinned (the
+scheduler cannot evict, move or overwrite them) and sent from where they are
+until the transfer ends; blocks on other media are copied out in that call. So a
+transfer is never torn. Requests are capped at :data:`MAX_TRANSFER_BLOCKS`
+blocks; a client pulls longer runs in windows.
+A receiver reserves fresh HBM blocks once the header is valid
+(:func:`reserve_import`) and receives each block straight into one, checking its
+checksum as it lands; only when the whole transfer is valid are they cached
+under their keys (:meth:`Reservation.commit`), so the pool announces them with
+``stored`` events like any block it computed, then releases them to the free
+queue like a finished request's prefix. A refused transfer gives them back
+uncached (:meth:`Reservation.abort`): bytes that failed a check are never used.
 
 Workers with the ``sim`` runner hold no bytes: their transfers carry the
 header alone (``dtype`` ``"none"``, zero-byte blocks), which moves the blocks'
@@ -37,15 +42,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 import xxhash
 
-from engine_worker.block_pool import BlockPool
+from engine_worker.block_pool import Block, BlockPool
 from engine_worker.kv_layout import DTYPE_SIZES, KVLayout
 from indexer.media import Medium
 
@@ -57,13 +63,19 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_TRANSFER_BLOCKS",
     "Expected",
+    "Landing",
+    "Outgoing",
+    "Reservation",
+    "SocketReader",
     "TransferError",
     "TransferHeader",
     "encode_transfer",
     "expected_for",
     "export_blocks",
+    "export_pinned",
     "import_blocks",
     "read_transfer",
+    "reserve_import",
 ]
 
 MAGIC = b"KVX1"
@@ -140,27 +152,66 @@ def checksum(block: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(block)
 
 
-def export_blocks(
+@dataclass(slots=True)
+class Outgoing:
+    """One transfer ready to send: the header and one payload per block.
+
+    Blocks cached in host-memory HBM are sent in place: they are pinned (no eviction,
+    no move) until :meth:`close`; the others were copied out. Call :meth:`close` once
+    the bytes are sent, on the thread that owns the pool (a worker wraps it).
+    """
+
+    header: TransferHeader
+    payload: list[memoryview | bytes]
+    on_close: Callable[[], None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of block data."""
+        return sum(len(p) for p in self.payload)
+
+    def close(self) -> None:
+        """Release the pinned blocks (idempotent)."""
+        on_close, self.on_close = self.on_close, _nothing
+        on_close()
+
+
+def _nothing() -> None:
+    return None
+
+
+def export_pinned(
     pool: BlockPool,
     storage: TierStorage | None,
     model: str,
     block_size: int,
     keys: Sequence[int],
-) -> tuple[TransferHeader, list[bytes]]:
-    """The longest cached run of ``keys`` (from the first) as a header and block bytes.
+) -> Outgoing:
+    """The longest cached run of ``keys`` (from the first), ready to send.
 
-    Runs on the engine thread, between steps: the blocks are copied out before
-    the scheduler runs again. Serves fewer keys than asked (possibly none) when
-    the pool lacks the rest.
+    Runs on the engine thread, between steps: HBM blocks in host memory are pinned and
+    sent from where they are (zero-copy), the others (DRAM, SSD, device memory) are
+    copied out now; every block is checksummed now. Serves fewer keys than asked
+    (possibly none) when the pool lacks the rest.
     """
     if len(keys) > MAX_TRANSFER_BLOCKS:
         raise TransferError("count", f"{len(keys)} blocks asked, at most {MAX_TRANSFER_BLOCKS}")
     layout = storage.layout if storage is not None else None
     dtype, shape, size = _geometry(layout, block_size)
     blocks = pool.match_prefix(keys)
-    datas: list[bytes] = []
+    payload: list[memoryview | bytes] = []
+    in_place = []
     for block in blocks:
-        datas.append(b"" if storage is None else storage.read_bytes(block.medium, block.block_id))
+        view = None
+        if storage is not None and block.medium is Medium.HBM:
+            view = storage.block_view(Medium.HBM, block.block_id)
+        if view is not None:
+            in_place.append(block)
+            payload.append(view)
+        else:
+            data = b"" if storage is None else storage.read_bytes(block.medium, block.block_id)
+            payload.append(data)
+    pinned = pool.pin(in_place)
     header = TransferHeader(
         model=model,
         block_size=block_size,
@@ -169,13 +220,28 @@ def export_blocks(
         block_bytes=size,
         parent=blocks[0].parent if blocks else None,
         keys=[b.key for b in blocks if b.key is not None],
-        checksums=[checksum(d) for d in datas],
+        checksums=[checksum(p) for p in payload],
     )
-    return header, datas
+    return Outgoing(header, payload, lambda: pool.free(pinned[::-1]))
 
 
-class _Reader:
-    """Exact-size reads over an async stream of chunks (one copy per read)."""
+def export_blocks(
+    pool: BlockPool,
+    storage: TierStorage | None,
+    model: str,
+    block_size: int,
+    keys: Sequence[int],
+) -> tuple[TransferHeader, list[bytes]]:
+    """:func:`export_pinned`, every block copied out (for senders that outlive the step)."""
+    out = export_pinned(pool, storage, model, block_size, keys)
+    try:
+        return out.header, [bytes(p) for p in out.payload]
+    finally:
+        out.close()
+
+
+class _ChunkReader:
+    """Exact-size reads over an async stream of chunks (an HTTP body)."""
 
     def __init__(self, chunks: AsyncIterator[bytes]) -> None:
         self._chunks = chunks
@@ -196,58 +262,79 @@ class _Reader:
             self._buffer += chunk
 
     async def read(self, n: int, what: str) -> bytes:
+        out = bytearray(n)
+        await self.read_into(memoryview(out), what)
+        return bytes(out)
+
+    async def read_into(self, view: memoryview, what: str) -> None:
+        n = len(view)
         await self._fill(n)
         have = len(self._buffer) - self._pos
         if have < n:
             raise TransferError("truncated", f"stream ended {n - have} bytes short in the {what}")
-        out = bytes(memoryview(self._buffer)[self._pos : self._pos + n])
+        view[:] = memoryview(self._buffer)[self._pos : self._pos + n]
         self._pos += n
-        return out
 
     async def at_end(self) -> bool:
         await self._fill(1)
         return len(self._buffer) == self._pos
 
 
-class _StreamReader:
-    """Exact-size reads over an asyncio stream (the raw TCP data path), after ``head``."""
+class SocketReader:
+    """Exact-size reads from a non-blocking socket straight into the caller's buffers
+    (the data path: no intermediate buffer, as a raw ``recv_into`` loop)."""
 
-    def __init__(self, stream: asyncio.StreamReader, head: bytes = b"") -> None:
-        self._stream = stream
-        self._head = head
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._head = b""
+
+    def push_back(self, data: bytes) -> None:
+        """Make ``data`` (already read) the next bytes read."""
+        self._head = data + self._head
 
     async def read(self, n: int, what: str) -> bytes:
-        take, self._head = self._head[:n], self._head[n:]
-        try:
-            return take + await self._stream.readexactly(n - len(take)) if n > len(take) else take
-        except asyncio.IncompleteReadError as exc:
-            missing = n - len(exc.partial)
-            raise TransferError(
-                "truncated", f"stream ended {missing} bytes short in the {what}"
-            ) from None
+        out = bytearray(n)
+        await self.read_into(memoryview(out), what)
+        return bytes(out)
+
+    async def read_into(self, view: memoryview, what: str) -> None:
+        got, n = 0, len(view)
+        if self._head:
+            got = min(n, len(self._head))
+            view[:got] = self._head[:got]
+            self._head = self._head[got:]
+        while got < n:
+            k = await self._loop.sock_recv_into(self._sock, view[got:])
+            if k == 0:
+                short = f"stream ended {n - got} bytes short in the {what}"
+                raise TransferError("truncated", short)
+            got += k
 
     async def at_end(self) -> bool:
-        return await self._stream.read(1) == b""
+        return not self._head and await self._loop.sock_recv(self._sock, 1) == b""
+
+
+#: Where the blocks of a validated header are received: one writable view per block.
+Landing = Callable[[TransferHeader], Awaitable[Sequence[memoryview]]]
 
 
 async def read_transfer(
-    source: AsyncIterator[bytes] | asyncio.StreamReader, expected: Expected, head: bytes = b""
-) -> tuple[TransferHeader, list[bytes]]:
+    source: AsyncIterator[bytes] | SocketReader, expected: Expected, land: Landing | None = None
+) -> tuple[TransferHeader, Sequence[memoryview]]:
     """Read and validate one transfer; nothing is returned unless all of it is valid.
 
-    ``source`` is an HTTP body's chunks or a socket's stream (whose first bytes,
-    already read, are ``head``).
+    ``source`` is an HTTP body's chunks or a :class:`SocketReader`. Once the header
+    is valid, ``land`` says where each block's bytes go (a receiver's own block
+    memory: see :func:`reserve_import`); by default into fresh buffers. Each block is
+    checked against its checksum as soon as it has arrived.
 
     Raises:
         TransferError: ``reason`` one of ``magic``, ``header``, ``model``, ``block_size``,
             ``dtype``, ``shape``, ``count``, ``keys``, ``truncated``, ``trailing``,
             ``checksum``.
     """
-    reader: _Reader | _StreamReader
-    if isinstance(source, asyncio.StreamReader):
-        reader = _StreamReader(source, head)
-    else:
-        reader = _Reader(source)
+    reader = source if isinstance(source, SocketReader) else _ChunkReader(source)
     magic, length = _PREFIX.unpack(await reader.read(_PREFIX.size, "prefix"))
     if magic != MAGIC:
         raise TransferError("magic", f"not a KV transfer (magic {magic!r})")
@@ -258,15 +345,19 @@ async def read_transfer(
     except msgspec.MsgspecError as exc:
         raise TransferError("header", f"bad header: {exc}") from exc
     _check_header(header, expected)
-    blocks = []
+    if land is not None:
+        views = await land(header)
+    else:
+        whole = memoryview(bytearray(header.block_bytes * len(header.keys)))
+        views = [whole[i * header.block_bytes : (i + 1) * header.block_bytes]
+                 for i in range(len(header.keys))]  # fmt: skip
     for i, key in enumerate(header.keys):
-        data = await reader.read(header.block_bytes, f"block {i}")
-        if checksum(data) != header.checksums[i]:
+        await reader.read_into(views[i], f"block {i}")
+        if checksum(views[i]) != header.checksums[i]:
             raise TransferError("checksum", f"block {i} (key {key}) fails its checksum")
-        blocks.append(data)
     if not await reader.at_end():
         raise TransferError("trailing", "bytes after the last block")
-    return header, blocks
+    return header, views
 
 
 def _check_header(h: TransferHeader, e: Expected) -> None:
@@ -293,12 +384,85 @@ def _check_header(h: TransferHeader, e: Expected) -> None:
         raise TransferError("keys", "the blocks served are not the ones asked for, in order")
 
 
+class Reservation:
+    """Room in a receiver's pool for the blocks of one transfer (:func:`reserve_import`).
+
+    ``views[i]`` is where block ``i`` of the transfer is to be received: the memory of a
+    fresh HBM block when the pool lacks the key (in place when HBM is host memory, else
+    a staging buffer), a scratch buffer otherwise (received and checked, then dropped).
+    Nothing is cached until :meth:`commit`; :meth:`abort` gives the fresh blocks back
+    uncached. Both run on the engine thread, once.
+    """
+
+    def __init__(self, pool: BlockPool, storage: TierStorage | None, parent: int | None,
+                 keys: Sequence[int]) -> None:  # fmt: skip
+        todo = []
+        held = []
+        prev = parent
+        for i, key in enumerate(keys):
+            cached = pool.match_prefix([key])
+            if not cached:
+                todo.append((i, key, prev))
+            elif cached[0].medium is Medium.HBM:
+                held.append(cached[0])
+            prev = key
+        size = storage.layout.block_bytes if storage is not None else 0
+        scratch = memoryview(bytearray(size))
+        self.views: list[memoryview] = [scratch] * len(keys)
+        # The run's blocks already here stay put while fresh blocks are taken for the rest.
+        self._pinned = pool.pin(held)
+        self._fresh = pool.allocate(min(len(todo), pool.num_free(Medium.HBM)))
+        self._todo: list[tuple[Block, int, int | None, memoryview | None]] = []
+        for block, (i, key, block_parent) in zip(self._fresh, todo, strict=False):
+            view = storage.block_view(Medium.HBM, block.block_id) if storage is not None else None
+            staged = None
+            if view is None:
+                view = staged = memoryview(bytearray(size))
+            self.views[i] = view
+            self._todo.append((block, key, block_parent, staged))
+        self._pool = pool
+        self._storage = storage
+        self._done = False
+
+    def commit(self) -> int:
+        """Cache the received blocks (``stored`` events) and release them; how many."""
+        if self._done:
+            return 0
+        self._done = True
+        try:
+            for block, key, parent, staged in self._todo:
+                if staged is not None and self._storage is not None:
+                    self._storage.write_bytes(Medium.HBM, block.block_id, staged)
+                self._pool.cache_block(block, key, parent)
+        finally:
+            self._release()
+        return len(self._fresh)
+
+    def abort(self) -> None:
+        """Give the fresh blocks back uncached (their bytes are never used)."""
+        if not self._done:
+            self._done = True
+            self._release()
+
+    def _release(self) -> None:
+        self._pool.free(self._fresh[::-1])
+        self._pool.free(self._pinned[::-1])
+
+
+def reserve_import(
+    pool: BlockPool, storage: TierStorage | None, parent: int | None, keys: Sequence[int]
+) -> Reservation:
+    """Fresh HBM blocks for the keys of ``keys`` the pool lacks, in order, as many as fit
+    now without evicting the run's blocks already in HBM (engine thread)."""
+    return Reservation(pool, storage, parent, keys)
+
+
 def import_blocks(
     pool: BlockPool,
     storage: TierStorage | None,
     parent: int | None,
     keys: Sequence[int],
-    blocks: Sequence[bytes],
+    blocks: Sequence[bytes | memoryview],
 ) -> int:
     """Cache transferred blocks in HBM as if computed here; returns how many were added.
 
@@ -308,26 +472,12 @@ def import_blocks(
     as cached blocks. Imports only what fits in HBM now, in order, without evicting
     the run's blocks already in HBM.
     """
-    todo = []
-    held = []
-    prev = parent
-    for key, data in zip(keys, blocks, strict=True):
-        cached = pool.match_prefix([key])
-        if not cached:
-            todo.append((key, prev, data))
-        elif cached[0].medium is Medium.HBM:
-            held.append(cached[0])
-        prev = key
-    # The run's blocks already here stay put while fresh blocks are taken for the rest.
-    pinned = pool.acquire(held)
-    fresh = []
+    reservation = reserve_import(pool, storage, parent, keys)
     try:
-        fresh = pool.allocate(min(len(todo), pool.num_free(Medium.HBM)))
-        for block, (key, block_parent, data) in zip(fresh, todo, strict=False):
-            if storage is not None:
-                storage.write_bytes(Medium.HBM, block.block_id, data)
-            pool.cache_block(block, key, block_parent)
-    finally:
-        pool.free(fresh[::-1])
-        pool.free(pinned[::-1])
-    return len(fresh)
+        for view, data in zip(reservation.views, blocks, strict=True):
+            if len(view):
+                view[:] = data
+    except BaseException:
+        reservation.abort()
+        raise
+    return reservation.commit()

@@ -191,6 +191,15 @@ class TierStorage:
             block = block.to("cpu")
         return bytes(_as_bytes(block))
 
+    def block_view(self, medium: Medium, block_id: int) -> memoryview | None:
+        """The bytes of one block in place (zero-copy, writable) when it lives in host
+        memory; None for the SSD tier and device tensors (use :meth:`read_bytes`)."""
+        self._check(medium, block_id)
+        if medium is Medium.SSD:
+            return None
+        block = self._tensor(medium)[block_id]
+        return _as_bytes(block) if block.device.type == "cpu" else None
+
     def write_bytes(self, medium: Medium, block_id: int, data: bytes | memoryview) -> None:
         """Overwrite one block with raw bytes (``layout.block_bytes`` of them)."""
         self._check(medium, block_id)

@@ -22,7 +22,7 @@ from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
 from engine_worker.kv_pull import KvPuller
 from engine_worker.kv_socket import KvSocketServer
-from engine_worker.kv_transfer import TransferHeader, export_blocks
+from engine_worker.kv_transfer import Outgoing, TransferHeader, export_pinned
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
 from engine_worker.pd import Leases
@@ -116,7 +116,7 @@ class Worker:
         )
         self.leases = Leases()
         self.kv_server = KvSocketServer(
-            self.export_blocks,
+            self.export_pinned,
             token.get_secret_value() if token is not None else None,
             settings.bind,
             settings.kv_port,
@@ -349,18 +349,37 @@ class Worker:
     ) -> tuple[TransferHeader, list[bytes]]:
         """The longest cached run of ``keys``, copied out between two engine steps; then
         the lease ``release`` (if any) is released in the same step."""
-        storage = self.storage
+        out = await self.export_pinned(keys, release)
+        try:
+            return out.header, [bytes(p) for p in out.payload]
+        finally:
+            out.close()
 
-        def read(s: Scheduler) -> tuple[TransferHeader, list[bytes]]:
-            out = export_blocks(s.pool, storage, self.model_name, self.block_size, keys)
+    async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
+        """The longest cached run of ``keys``, taken between two engine steps (HBM blocks
+        pinned and sent in place, see :func:`export_pinned`); the lease ``release`` (if
+        any) is released in the same step. Close the result once sent: the pins are
+        dropped on the engine thread."""
+        storage = self.storage
+        engine = self.engine
+
+        def take(s: Scheduler) -> Outgoing:
+            out = export_pinned(s.pool, storage, self.model_name, self.block_size, keys)
             if release is not None:
                 self.leases.release(s, release)
             return out
 
-        header, blocks = await self.engine.acall(read)
-        self.metrics.transfer_blocks.labels("sent").inc(len(blocks))
-        self.metrics.transfer_bytes.labels("sent").inc(sum(map(len, blocks)))
-        return header, blocks
+        out = await engine.acall(take)
+        unpin = out.on_close
+
+        def close() -> None:
+            if engine.alive:
+                engine.call(lambda _: unpin())
+
+        out.on_close = close
+        self.metrics.transfer_blocks.labels("sent").inc(len(out.payload))
+        self.metrics.transfer_bytes.labels("sent").inc(out.nbytes)
+        return out
 
     async def hold_blocks(self, lease_id: str, keys: Sequence[int]) -> list[int]:
         """Hold the leading HBM run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""

@@ -4,12 +4,14 @@ Two real workers (``kvrouter worker``, torch runner, SmolLM2-135M's KV geometry:
 30 layers x 3 KV heads x 64 dims, float32, 737 KB per 16-token block) on this
 machine. Worker A prefills ``--rounds`` distinct prompts of ``--prompt-tokens``
 tokens; for each, worker B pulls the prompt's blocks from A (``POST /kv/pull``:
-A copies them out between two engine steps, streams header + blocks over HTTP,
-B validates model, layout, keys and every xxh3 checksum, then writes them into
-its HBM tensor and caches them). Right after each pull the same number of bytes
-is copied through a plain loopback TCP socket (a sender thread writing one
-buffer, the receiver reading into a preallocated buffer): the ceiling of any
-transfer over loopback on this machine, measured side by side. The figure is
+A pins them between two engine steps and sends them from its KV tensor over its
+data socket; B reserves fresh blocks, receives each block straight into one,
+checks model, layout, keys and every xxh3 checksum, then caches them). Right after
+each pull the same number of bytes is copied through a plain loopback TCP socket (a
+sender thread writing one buffer, the receiver reading into a preallocated, already
+mapped buffer): the ceiling of any transfer over loopback on this machine, measured
+side by side. The pull is timed end to end (B asks its pool what it lacks, finds A's
+data port, the transfer, the import); the figure is
 the ratio of the two throughputs per round (median over rounds).
 
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
@@ -55,7 +57,7 @@ def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
-    sink = bytearray(num_bytes)
+    sink = bytearray(payload)  # written once: its pages are mapped, as a worker's KV tensor's are
     view = memoryview(sink)
     with socket.create_connection(("127.0.0.1", port)) as client:
         start = time.perf_counter()

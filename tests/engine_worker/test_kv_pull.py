@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from engine_worker.server import create_app
 from engine_worker.settings import WorkerSettings
@@ -141,6 +147,77 @@ def test_blocks_of_another_kv_layout_are_refused(trio: list[str]) -> None:
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "dtype"
         assert not set(other[:2]) & hbm_keys(b)
+
+
+@contextlib.contextmanager
+def tampering_source(data_port: int, tamper: Callable[[bytes], bytes]) -> Iterator[str]:
+    """A source URL whose data socket relays a real worker's transfers, ``tamper``ed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def relay() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, socket.create_connection(("127.0.0.1", data_port)) as up:
+                frame = conn.recv(8, socket.MSG_WAITALL)
+                body = conn.recv(int.from_bytes(frame[4:], "big"), socket.MSG_WAITALL)
+                up.sendall(frame + body)
+                answer = bytearray()
+                while chunk := up.recv(1 << 20):
+                    answer += chunk
+                conn.sendall(tamper(bytes(answer)))
+
+    async def endpoint(request: Request) -> JSONResponse:
+        return JSONResponse({"port": listener.getsockname()[1]})
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        with serve_app(Starlette(routes=[Route("/kv/endpoint", endpoint)])) as url:
+            yield url
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def _flip(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[-100] ^= 0x01
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    ("reason", "tamper"),
+    [("checksum", _flip), ("truncated", lambda d: d[:-100]), ("trailing", lambda d: d + b"x")],
+)
+def test_a_tampered_transfer_is_refused_and_leaves_nothing_behind(
+    trio: list[str], reason: str, tamper: Callable[[bytes], bytes]
+) -> None:
+    a, b, _ = trio
+    case = ["checksum", "truncated", "trailing"].index(reason)
+    prompt = [900 + case, *range(1000, 1063)]  # 4 full blocks, one prompt per case
+    complete(a, prompt)
+    keys = block_keys(prompt, 16, root_parent("tiny"))
+    port = httpx.get(f"{a}/kv/endpoint", headers=AUTH, timeout=10).json()["port"]
+    before = hbm_keys(b)
+    failures = metric(b, "kv_transfer_failures_total", f'reason="{reason}"')
+    with tampering_source(port, tamper) as source:
+        r = pull(b, source, keys=keys)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == reason
+    # Nothing of it is cached, and the blocks it was received into are free again.
+    assert hbm_keys(b) == before
+    assert in_use(b) == 0
+    assert in_use(a) == 0  # the source let go of the blocks it sent
+    assert metric(b, "kv_transfer_failures_total", f'reason="{reason}"') == failures + 1
+    # Straight from the source, the same blocks come through and are used.
+    r = pull(b, a, keys=keys)
+    assert r.status_code == 200, r.text
+    assert r.json()["pulled"] == len(keys)
+    assert set(keys) <= hbm_keys(b)
+    assert in_use(b) == 0
 
 
 def test_pulled_blocks_are_announced_to_the_index(redis_url: str) -> None:

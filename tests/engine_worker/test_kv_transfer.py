@@ -15,14 +15,17 @@ from engine_worker.kv_layout import KVLayout
 from engine_worker.kv_socket import KvSocketServer, fetch_blocks
 from engine_worker.kv_transfer import (
     MAGIC,
+    Outgoing,
     TransferError,
     TransferHeader,
     checksum,
     encode_transfer,
     expected_for,
     export_blocks,
+    export_pinned,
     import_blocks,
     read_transfer,
+    reserve_import,
 )
 from engine_worker.tiers import TierError, TierStorage
 from indexer.events import BlockStored
@@ -78,7 +81,7 @@ async def test_a_transfer_round_trips_and_enters_the_receivers_pool_as_cached_bl
     assert header.parent == ROOT
     assert all(len(b) == LAYOUT.block_bytes for b in blocks)
     got_header, got = await read_transfer(chunks_of(wire(header, blocks)), EXPECTED)
-    assert got == blocks
+    assert [bytes(b) for b in got] == blocks
 
     storage, pool = storage_and_pool()
     assert import_blocks(pool, storage, got_header.parent, got_header.keys, got) == len(KEYS)
@@ -162,6 +165,31 @@ async def test_a_bad_transfer_is_refused_with_its_reason(
     assert caught.value.reason == reason
 
 
+@pytest.mark.parametrize(("reason", "mutate"), _mutations())
+async def test_a_bad_transfer_on_the_data_socket_is_refused_with_its_reason(
+    reason: str, mutate: Callable[[TransferHeader, list[bytes]], bytes]
+) -> None:
+    header, blocks = source()
+    payload = mutate(header, blocks)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frame = await reader.readexactly(8)
+        await reader.readexactly(int.from_bytes(frame[4:], "big"))
+        writer.write(payload)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(TransferError) as caught:
+            await fetch_blocks("127.0.0.1", port, None, KEYS, None, EXPECTED, 10.0)
+        assert caught.value.reason == reason
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_the_receiver_checks_its_own_layout_not_the_senders_claim() -> None:
     header, blocks = source()
     other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
@@ -195,24 +223,78 @@ def test_block_bytes_round_trip_on_every_medium(tmp_path: Path) -> None:
         storage.close()
 
 
+def test_blocks_being_sent_are_pinned_in_place_until_the_transfer_closes() -> None:
+    storage, pool = storage_and_pool(hbm=8, dram=0)
+    fill(pool, storage, KEYS)
+    out = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
+    hbm = pool.match_prefix(KEYS)
+    # Sent from the tensor itself: the views are the blocks' memory.
+    assert [bytes(p) for p in out.payload] == [storage.read_bytes(Medium.HBM, b.block_id)
+                                               for b in hbm]  # fmt: skip
+    assert out.header.checksums == [checksum(p) for p in out.payload]
+    # The pool cannot take them while they are sent: only the 2 other blocks are free,
+    # and allocating those evicts nothing of the run.
+    assert pool.num_free(Medium.HBM) == 2
+    taken = pool.allocate(2)
+    assert len(pool.match_prefix(KEYS)) == len(KEYS)
+    pool.free(taken)
+    out.close()
+    out.close()  # idempotent
+    assert pool.num_free(Medium.HBM) == 8
+    assert pool.stats().hits == {m: 0 for m in Medium}  # reading is not a hit
+    pool.verify()
+
+
+async def test_a_refused_reservation_gives_its_blocks_back_uncached() -> None:
+    header, blocks = source()
+    storage, pool = storage_and_pool(hbm=8, dram=0)
+    reservation = reserve_import(pool, storage, header.parent, header.keys)
+    assert pool.num_free(Medium.HBM) == 2
+    for view, data in zip(reservation.views, blocks, strict=True):
+        view[:] = data
+    reservation.abort()
+    assert reservation.commit() == 0  # once only
+    assert pool.match_prefix(KEYS) == []
+    assert pool.num_free(Medium.HBM) == 8
+    assert not [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    pool.verify()
+
+
 async def test_the_data_socket_serves_transfers_and_refuses_bad_tokens_and_requests() -> None:
     storage, pool = storage_and_pool()
     fill(pool, storage, KEYS)
+    sent = []
 
-    async def export(
-        keys: Sequence[int], release: str | None
-    ) -> tuple[TransferHeader, list[bytes]]:
-        return export_blocks(pool, storage, "m", LAYOUT.block_size, keys)
+    async def export(keys: Sequence[int], release: str | None) -> Outgoing:
+        out = export_pinned(pool, storage, "m", LAYOUT.block_size, keys)
+        sent.append(out)
+        return out
 
     server = KvSocketServer(export, "secret", "127.0.0.1")
     await server.start()
     port = server.port
     try:
+        # Received straight into the blocks the receiver reserved, then cached.
+        to_storage, to_pool = storage_and_pool()
+        reservations = []
+
+        async def land(h: TransferHeader) -> Sequence[memoryview]:
+            reservations.append(reserve_import(to_pool, to_storage, h.parent, h.keys))
+            return reservations[-1].views
+
         header, blocks, _ = await fetch_blocks(
-            "127.0.0.1", port, "secret", KEYS, None, EXPECTED, 10.0
+            "127.0.0.1", port, "secret", KEYS, None, EXPECTED, 10.0, land
         )
         assert header.keys == KEYS
         assert [checksum(b) for b in blocks] == header.checksums
+        assert reservations[0].commit() == len(KEYS)
+        moved = to_pool.match_prefix(KEYS)
+        assert [to_storage.read_bytes(Medium.HBM, b.block_id) for b in moved] == [
+            storage.read_bytes(Medium.HBM, b.block_id) for b in pool.match_prefix(KEYS)
+        ]
+        # The source pinned them while sending, and let go once sent.
+        assert len(sent) == 1
+        assert pool.num_free(Medium.HBM) == 16
         with pytest.raises(TransferError) as caught:
             await fetch_blocks("127.0.0.1", port, "wrong", KEYS, None, EXPECTED, 10.0)
         assert caught.value.reason == "auth"
