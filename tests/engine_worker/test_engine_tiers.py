@@ -9,13 +9,23 @@ Tiny model in the fast suite, SmolLM2-135M in the slow one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine_worker.block_pool import TierCapacity
+from engine_worker.kv_socket import KvSocketServer, fetch_blocks
+from engine_worker.kv_transfer import (
+    Outgoing,
+    Reservation,
+    TransferHeader,
+    expected_for,
+    export_pinned,
+    reserve_import,
+)
 from engine_worker.model.llama import LlamaModel
 from engine_worker.model.registry import resolve
 from engine_worker.tiers import TransferStat
@@ -186,6 +196,44 @@ def test_a_prefix_on_ssd_survives_a_worker_restart(
     finally:
         restarted.close()
     assert_same_answer(answer, cold_answer(model, prompts))
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_a_prefix_pulled_from_another_worker_answers_like_a_cold_worker(
+    load_model: Callable[[str], LlamaModel], model_name: str
+) -> None:
+    """Pooling and PD at the logits level: worker A computes the prefix, B pulls it over
+    the KV data socket (pinned send, reserved receive, checksums) and answers."""
+    model = load_model(model_name)
+    prompts = Prompts(model.config.vocab_size)
+    a = build_core(model, TierCapacity(hbm=HBM_BLOCKS))
+    b = build_core(model, TierCapacity(hbm=HBM_BLOCKS))
+    run_to_completion(a, [a.request("warm", prompts.warm)])
+    keys = a.request("probe", prompts.query).ensure_keys(len(prompts.query))[:PREFIX_BLOCKS]
+    name, layout = model.config.name, a.storage.layout
+
+    async def pull() -> int:
+        async def export(asked: Sequence[int], release: str | None) -> Outgoing:
+            return export_pinned(a.pool, a.storage, name, BLOCK_SIZE, asked)
+
+        reservations: list[Reservation] = []
+
+        async def land(header: TransferHeader) -> Sequence[memoryview]:
+            reservations.append(reserve_import(b.pool, b.storage, header.parent, header.keys))
+            return reservations[-1].views
+
+        server = KvSocketServer(export, None, "127.0.0.1")
+        await server.start()
+        try:
+            expected = expected_for(name, BLOCK_SIZE, layout, keys)
+            await fetch_blocks("127.0.0.1", server.port, None, keys, None, expected, 30.0, land)
+        finally:
+            await server.stop()
+        return reservations[0].commit()
+
+    assert asyncio.run(pull()) == PREFIX_BLOCKS
+    assert b.media_of(prompts.query) == [HBM] * PREFIX_BLOCKS
+    assert_same_answer(ask(b, prompts, HBM), cold_answer(model, prompts))
 
 
 def test_the_comparison_notices_corrupted_cached_bytes(
