@@ -16,6 +16,13 @@ A replay through another router (``kvrouter bench compare``) passes
 workers' URLs instead of Redis; such a router sends no ``x-kvrouter-worker``
 header, so its records name worker ``"?"`` and busy time still comes from
 the workers themselves.
+
+With ``decisions=True`` every request asks our gateway for its decision header
+(``x-kvrouter-debug``). A request it split into prefill and decode (PD) then
+records the worker that prefilled it (``prefill_worker``) and, as its cached
+tokens, what that worker's cache served of the prompt, as the offline
+simulator counts a hand-off (the decoder's usage counts the blocks it pulled
+as hits).
 """
 
 from __future__ import annotations
@@ -88,6 +95,22 @@ async def _busy(http: httpx.AsyncClient, urls: Mapping[str, str]) -> dict[str, f
     return out
 
 
+def _pd_handoff(header: str | None) -> tuple[str, tuple[int, int, int]] | None:
+    """From a decision header: the worker that prefilled a split request and what its
+    cache served (hbm, dram, ssd); None when the request was not handed off."""
+    if not header:
+        return None
+    try:
+        pd = json.loads(header).get("pd") or {}
+        host = pd.get("prefilled_on")
+        by = pd.get("prefill_cached_tokens_by_medium") or {}
+        if not isinstance(host, str):
+            return None
+        return host, (int(by.get("hbm", 0)), int(by.get("dram", 0)), int(by.get("ssd", 0)))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 async def _one(
     http: httpx.AsyncClient, gateway: str, body: dict[str, object], rec: RequestRecord,
     t0: float, headers: dict[str, str],
@@ -99,6 +122,7 @@ async def _one(
             await resp.aread()
             return False
         rec.worker = resp.headers.get("x-kvrouter-worker", "?")
+        handoff = _pd_handoff(resp.headers.get("x-kvrouter-decision"))
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -113,6 +137,8 @@ async def _one(
                 by = usage.get("cached_tokens_by_medium") or {}
                 rec.cached_tokens = (by.get("hbm", 0), by.get("dram", 0), by.get("ssd", 0))
         rec.finish_s = time.perf_counter() - t0
+    if handoff is not None:
+        rec.prefill_worker, rec.cached_tokens = handoff
     return True
 
 
@@ -129,11 +155,13 @@ async def replay_live(
     progress: Callable[[int], None] | None = None,
     prompt: Callable[[TraceRecord], str | list[int]] | None = None,
     worker_urls: Mapping[str, str] | None = None,
+    decisions: bool = False,
 ) -> LiveResult:
     """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``).
 
     ``prompt`` replaces the token-id prompts (text, say); ``worker_urls`` (host -> URL)
-    names the workers whose busy time to read when there is no ``redis_url``.
+    names the workers whose busy time to read when there is no ``redis_url``;
+    ``decisions`` asks our gateway for its decision headers (PD hand-offs, above).
     """
     factory = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
     make_prompt = prompt or factory.tokens
@@ -141,6 +169,8 @@ async def replay_live(
     views = await cluster_views(redis_url, model=model) if redis_url else []
     urls = dict(worker_urls) if worker_urls is not None else {v.host: v.url for v in views}
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if decisions:
+        headers["x-kvrouter-debug"] = "1"
     records = [RequestRecord(i, "?", arrivals[i], rec.input_length) for i, rec in enumerate(trace)]
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:

@@ -66,6 +66,9 @@ class RequestRecord:
         cached_tokens: Prompt tokens served from cache on (hbm, dram, ssd).
         preemptions: Times it was preempted and recomputed.
         predicted_ttft_s: The policy's TTFT prediction, when it makes one.
+        prefill_worker: Host that prefilled it when prefill and decode were split (PD);
+            ``worker`` decoded it, and ``cached_tokens`` are what this host's cache
+            served. None: colocated.
     """
 
     index: int
@@ -78,6 +81,7 @@ class RequestRecord:
     cached_tokens: tuple[int, int, int] = (0, 0, 0)
     preemptions: int = 0
     predicted_ttft_s: float | None = None
+    prefill_worker: str | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -432,8 +432,9 @@ class _Cluster:
         if plan is not None:
             if plan.disaggregate and plan.decode is not None:
                 self.records[i] = RequestRecord(
-                    i, plan.decode, now, len(tokens), predicted_ttft_s=predicted
-                )
+                    i, plan.decode, now, len(tokens), predicted_ttft_s=predicted,
+                    prefill_worker=w.host,
+                )  # fmt: skip
                 handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0)
                 self.handoffs[f"{rid}.p"] = handoff
                 self.admit(w, f"{rid}.p", tokens, keys, 1, decision.matched_blocks, i, now)
@@ -624,7 +625,8 @@ def trace_oracle(trace: Sequence[TraceRecord], config: SimConfig | None = None) 
     """The oracle bound of ``trace`` on ``config``'s cluster (all tiers of all workers)."""
     cfg = config if config is not None else SimConfig()
     cap = cfg.capacity()
-    total = cfg.workers * (cap.hbm + cap.dram + cap.ssd)
+    hosts = cfg.workers + cfg.prefill_workers + cfg.decode_workers
+    total = hosts * (cap.hbm + cap.dram + cap.ssd)
     return trace_bound(
         trace, total, cfg.block_size, cfg.model, vocab_size=cfg.vocab_size,
         time_scale=cfg.time_scale,

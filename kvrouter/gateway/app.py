@@ -296,6 +296,10 @@ class _Opened:
     routed: Routed
     plan: PdPlan | None
     up: Upstream
+    #: PD: the worker that prefilled and handed the prompt off (None: no hand-off).
+    prefilled_on: str | None = None
+    #: PD: that worker's ``cached_tokens_by_medium`` for the prompt.
+    prefill_cached: dict[str, int] | None = None
 
 
 async def _handle(
@@ -356,10 +360,11 @@ async def _open(
     if body.stream:
         raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
     prefill_tokens = _prefill_tokens(routed)
+    prefilled_on = prefill_cached = None
     if plan is not None and plan.disaggregate and plan.decode is not None:
-        params = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
-        if params is not None:
-            raw["kv_transfer_params"] = params
+        handed = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
+        if handed is not None:
+            raw["kv_transfer_params"], prefill_cached, prefilled_on = handed
         others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
         candidates = [plan.decode, *others]
     elif plan is not None and plan.prefill != worker:
@@ -370,7 +375,7 @@ async def _open(
         candidates, path, json.dumps(raw).encode(), rid, prefill_tokens, whole=not body.stream,
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
-    return _Opened(routed, plan, up)
+    return _Opened(routed, plan, up, prefilled_on, prefill_cached)
 
 
 async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
@@ -423,6 +428,11 @@ async def _respond(
         decision["worker"] = up.worker
         if plan is not None:
             decision["pd"] = plan.header()
+            if plan.disaggregate:
+                # Who prefilled and handed the prompt off (None: the decoder computed
+                # it), and what that worker's cache served of the prompt.
+                decision["pd"]["prefilled_on"] = opened.prefilled_on
+                decision["pd"]["prefill_cached_tokens_by_medium"] = opened.prefill_cached
         headers["x-kvrouter-decision"] = json.dumps(decision, separators=(",", ":"))
     gw.metrics.prompt_tokens.inc(routed.prompt_tokens)
     if up.rest is None:
@@ -465,8 +475,9 @@ async def _prefill_elsewhere(
     raw: dict[str, Any],
     rid: str,
     prefill_tokens: dict[str, int],
-) -> dict[str, Any] | None:
-    """Run the prefill-only request; its ``kv_transfer_params``, or None to prefill locally.
+) -> tuple[dict[str, Any], dict[str, int], str] | None:
+    """Run the prefill-only request: its ``kv_transfer_params``, the prefill worker's
+    ``cached_tokens_by_medium`` and name; or None to prefill locally.
 
     Whatever goes wrong here (no prefill worker answers, an error status, a body
     without the parameters) the decoder computes the prompt itself: the client
@@ -489,13 +500,23 @@ async def _prefill_elsewhere(
         if up.status != 200:
             reason = f"prefill_{up.status}"
         else:
-            with suppress(ValueError):
-                params = json.loads(up.first).get("kv_transfer_params")
+            with suppress(ValueError, AttributeError):
+                answer = json.loads(up.first)
+                params = answer.get("kv_transfer_params")
                 if isinstance(params, dict) and params.get("do_remote_prefill"):
-                    return params
+                    return params, _cached_by_medium(answer), up.worker
             reason = "prefill_no_params"
     gw.metrics.pd_fallbacks.labels(reason).inc()
     return None
+
+
+def _cached_by_medium(answer: dict[str, Any]) -> dict[str, int]:
+    """A completion's ``usage.cached_tokens_by_medium`` ({} when absent or malformed)."""
+    try:
+        by = (answer.get("usage") or {}).get("cached_tokens_by_medium") or {}
+        return {str(k): int(v) for k, v in by.items()}
+    except (AttributeError, TypeError, ValueError):
+        return {}
 
 
 def _pool_params(gw: Gateway, routed: Routed) -> dict[str, Any] | None:

@@ -89,6 +89,9 @@ def test_always_prefills_on_the_prefill_worker_and_decodes_on_the_decoder(
         decision = json.loads(r.headers["x-kvrouter-decision"])
         assert decision["pd"]["mode"] == "disaggregated"
         assert (decision["pd"]["prefill"], decision["pd"]["decode"]) == ("p", "d")
+        # The hand-off happened on p, whose cache was cold (what the live replay counts).
+        assert decision["pd"]["prefilled_on"] == "p"
+        assert sum(decision["pd"]["prefill_cached_tokens_by_medium"].values()) == 0
         assert r.headers["x-kvrouter-worker"] == "d"
         sent = metric(urls["p"], "kvworker_kv_transfer_blocks_total", 'direction="sent"')
         received = metric(urls["d"], "kvworker_kv_transfer_blocks_total", 'direction="received"')
