@@ -16,8 +16,9 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_worker.http_errors import error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
@@ -64,6 +65,26 @@ def get_serving_worker(request: Request) -> Worker:
 ServingDep = Annotated[Worker, Depends(get_serving_worker)]
 
 
+class _CountErrors:
+    """Counts responses with a 4xx/5xx status (``kvworker_request_errors_total``)."""
+
+    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counter.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None = None) -> FastAPI:
     """Build the worker app. The model loads when the app starts (lifespan)."""
     metrics = WorkerMetrics(registry or CollectorRegistry())
@@ -101,6 +122,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         type_="authentication_error",
         code="invalid_internal_token",
     )
+    app.add_middleware(_CountErrors, counter=metrics.request_errors)  # outermost: sees all
 
     async def respond(gen: Generation) -> Response:
         if gen.prep.stream:

@@ -322,7 +322,9 @@ class Generation:
         finally:
             if not self._done:
                 w.engine.abort(req.request_id)
+                w.metrics.requests.labels(p.endpoint, "abort").inc()
             else:
+                w.metrics.requests.labels(p.endpoint, reason or "stop").inc()
                 self._record(t0, first_at, last)
 
     async def _next(self, queue: asyncio.Queue[TokenEvent]) -> TokenEvent:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -219,6 +220,20 @@ def test_metrics_are_exported(worker_url: str) -> None:
         "kvworker_kv_block_moves",
     ):
         assert name in text, name
+
+
+def test_finished_and_refused_requests_are_counted(worker_url: str) -> None:
+    def sample(name: str, labels: str) -> float:
+        text = httpx.get(f"{worker_url}/metrics").text
+        found = re.search(rf"^kvworker_{name}_total\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    done = 'endpoint="completions",reason="length"'
+    before_done, before_bad = sample("requests", done), sample("request_errors", 'status="400"')
+    post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "count me", "max_tokens": 2})
+    post(worker_url, "/v1/completions", {"model": MODEL, "prompt": ""})
+    assert sample("requests", done) == before_done + 1
+    assert sample("request_errors", 'status="400"') == before_bad + 1
 
 
 @pytest.mark.parametrize(
