@@ -55,6 +55,8 @@ _REQUEST = b"KVQ1"
 _ERROR = b"KVE1"
 _REQUEST_TIMEOUT_S = 10.0
 _U64_MAX = 2**64 - 1
+#: Socket buffers of a transfer (the kernel may cap them): fewer wake-ups per block.
+_SOCKET_BUFFER = 8 << 20
 
 
 class TransferRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +134,7 @@ class KvSocketServer:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
             task = asyncio.create_task(self._serve(conn))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
@@ -216,6 +219,7 @@ async def fetch_blocks(
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
     try:
         sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         async with asyncio.timeout(timeout_s):
             await loop.sock_connect(sock, address)
             request = TransferRequest(token=token, keys=list(keys), release=release)

@@ -42,6 +42,8 @@ from kvrouter.tools.table import grid
 __all__ = ["main", "raw_copy_seconds"]
 
 VOCAB = 49_152
+#: The socket buffers the workers' data path asks for, given to the raw copy as well.
+SOCKET_BUFFER = 8 << 20
 
 
 def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
@@ -53,6 +55,7 @@ def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
     def send() -> None:
         conn, _ = server.accept()
         with conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             conn.sendall(payload)
 
     thread = threading.Thread(target=send, daemon=True)
@@ -60,6 +63,7 @@ def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
     sink = bytearray(payload)  # written once: its pages are mapped, as a worker's KV tensor's are
     view = memoryview(sink)
     with socket.create_connection(("127.0.0.1", port)) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         start = time.perf_counter()
         got = 0
         while got < num_bytes:
