@@ -6,7 +6,11 @@ Llama-3-8B/H100-sized workers arranged four ways, every arrangement routed by
 ``kv_ttft``:
 
 * ``colocated``: 8 workers that prefill and decode;
-* ``always``: 4 prefill-only + 4 decode-only workers, every request split;
+* ``always``: prefill-only + decode-only workers, every request split, at the
+  split that serves this workload best: each load replays every split P/D
+  (P = 1..7) and keeps the one with the highest goodput, as DistServe places its
+  prefill and decode instances by simulating candidate placements (the table
+  shows the split kept; ``--split 4/4`` fixes one instead);
 * ``auto``: 8 workers, the gateway's planner deciding per request;
 * ``auto+pooling``: the same, ``kv_ttft`` also pricing pulls of a peer's prefix.
 
@@ -41,13 +45,25 @@ from kvrouter.bench.suite import measure_capacity
 from kvrouter.bench.workloads import generate
 from kvrouter.policy_factory import build_policy
 
-__all__ = ["ARRANGEMENTS", "WORKLOAD", "app", "main", "pooling"]
+__all__ = ["ARRANGEMENTS", "WORKLOAD", "WORKLOADS", "app", "main", "pooling"]
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 WORKLOAD = MixedWorkload(
     requests=1200, rate=2.0, long_share=0.3, output_tokens=LogNormal(600, 0.5, 64, 4096)
 )
+#: ``--workload``: ``documents`` (above) or ``long``: every prompt long and its own
+#: (a shared 1K system prompt, then ~8K tokens of its own, 2K-32K), answers of median 600.
+WORKLOADS = {
+    "documents": WORKLOAD,
+    "long": MixedWorkload(
+        requests=1200,
+        rate=2.0,
+        long_share=0.0,
+        user_tokens=LogNormal(8000, 0.5, 2048, 32_000),
+        output_tokens=LogNormal(600, 0.5, 64, 4096),
+    ),
+}
 
 #: Name -> (SimConfig changes, kv_ttft options), 8 workers each.
 ARRANGEMENTS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
@@ -55,18 +71,32 @@ ARRANGEMENTS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "always": ({"workers": 0, "prefill_workers": 4, "decode_workers": 4, "pd": "always"}, {}),
     "auto": ({"workers": 8, "pd": "auto"}, {}),
     "auto+pooling": ({"workers": 8, "pd": "auto"}, {"pooling": True}),
-}
+}  # ``always``'s split is searched per load (see the module docstring)
+
+
+WORKERS = 8
 
 
 def _cell(
-    name: str, load: float, scale: float, seed: int, ttft_slo: float, tpot_slo: float
+    name: str,
+    load: float,
+    scale: float,
+    seed: int,
+    ttft_slo: float,
+    tpot_slo: float,
+    split: tuple[int, int] | None = None,
+    workload: str = "documents",
 ) -> dict[str, float | str]:
     changes, options = ARRANGEMENTS[name]
-    trace = generate(WORKLOAD, seed)
+    if split is not None:
+        changes = {**changes, "prefill_workers": split[0], "decode_workers": split[1]}
+    trace = generate(WORKLOADS[workload], seed)
     config = dataclasses.replace(SimConfig(seed=seed, time_scale=scale), **changes)  # type: ignore[arg-type]
     pooling = True if options.get("pooling") else None
     result = simulate(trace, build_policy("kv_ttft", seed=seed, pooling=pooling), config)
     s = summarize(name, result.records, result.busy_s)
+    if split is not None:
+        name = f"{name} {split[0]}P/{split[1]}D"
     return {
         "arrangement": name, "load": load,
         "ttft_p50": s.ttft_p50_s, "ttft_p90": s.ttft_p90_s, "ttft_p99": s.ttft_p99_s,
@@ -85,22 +115,40 @@ def main(
     ttft_slo: Annotated[float, typer.Option(help="TTFT SLO, seconds")] = 5.0,
     tpot_slo: Annotated[float, typer.Option(help="TPOT SLO, seconds")] = 0.05,
     jobs: Annotated[int, typer.Option(help="Parallel replays")] = 2,
+    split: Annotated[
+        str, typer.Option(help="always-PD split P/D, or 'search': the best goodput per load")
+    ] = "search",
+    workload: Annotated[str, typer.Option(help="documents | long")] = "documents",
 ) -> None:
     """Replay every arrangement at every load and print the comparison."""
-    trace = generate(WORKLOAD, seed)
+    trace = generate(WORKLOADS[workload], seed)
     span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
     capacity = measure_capacity(trace, SimConfig(seed=seed))
     natural = len(trace) / span
     fractions = [float(x) for x in loads.split(",") if x]
+    if split == "search":
+        splits = [(p, WORKERS - p) for p in range(1, WORKERS)]
+    else:
+        p, _, d = split.partition("/")
+        splits = [(int(p), int(d))]
     with ProcessPoolExecutor(jobs) as pool:
-        futures = [
-            pool.submit(_cell, name, f, f * capacity / natural, seed, ttft_slo, tpot_slo)
+        futures = {
+            (f, name, sp): pool.submit(
+                _cell, name, f, f * capacity / natural, seed, ttft_slo, tpot_slo, sp, workload
+            )
             for f in fractions
             for name in ARRANGEMENTS
-        ]
-        rows = [f.result() for f in futures]
+            for sp in (splits if name == "always" else [None])
+        }
+        results = {k: fut.result() for k, fut in futures.items()}
+    rows = []
+    for f in fractions:
+        for name in ARRANGEMENTS:
+            cells = [r for (load, n, _), r in results.items() if load == f and n == name]
+            rows.append(max(cells, key=lambda r: float(r["goodput"])))
     table = Table(
-        title=f"PD on 8 workers: capacity {capacity:.2f} req/s; goodput = TTFT <= {ttft_slo} s "
+        title=f"PD on 8 workers, {workload}: capacity {capacity:.2f} req/s; "
+        f"goodput = TTFT <= {ttft_slo} s "
         f"and TPOT <= {tpot_slo * 1e3:.0f} ms"
     )
     cols = ("load", "arrangement", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99",
