@@ -145,9 +145,11 @@ def test_redis_stopped_and_restarted_under_load_fails_no_request(
         deadline = time.monotonic() + 3.0
         statuses = []
         while True:
+            # A prompt of whole blocks: one shorter than a block needs no lookup, so it
+            # could not notice the index is away.
             r = httpx.post(
                 f"{gateway}/v1/completions",
-                json={"model": MODEL, "prompt": "down", "max_tokens": 1},
+                json={"model": MODEL, "prompt": "the index is down " * 20, "max_tokens": 1},
                 timeout=30,
             )
             statuses.append(r.status_code)
