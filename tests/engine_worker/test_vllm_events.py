@@ -10,10 +10,8 @@ requests sharing a long prefix to the worker that holds it.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +35,7 @@ from indexer.vllm_adapter import VllmAdapter, VllmTranslator
 from kvrouter.embedded_redis import free_port
 from tests.indexer.ingest_support import eventually
 from tests.support.cluster import worker_settings
-from tests.support.servers import ServerProcess, serve_app, wait_http
+from tests.support.servers import ServerProcess, serve_app
 
 HBM, DRAM = Medium.HBM, Medium.DRAM
 B = 16
@@ -216,7 +214,7 @@ def sim_worker_proc(tmp_path: Path, name: str) -> tuple[ServerProcess, str, str,
 def vllm_router(tmp_path: Path, policy: str, workers: list[tuple[str, str, str]]) -> Iterator[str]:
     """``vllm-router`` on a free port; yields its URL (its log is ``tmp_path/router-*.log``)."""
     port = free_port()
-    args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
+    args = ["--host", "127.0.0.1", "--port", str(port),
             "--prometheus-port", str(free_port()), "--policy", policy,
             "--worker-urls", *(w[0] for w in workers), "--log-level", "debug"]  # fmt: skip
     if policy == "kv_aware":
@@ -224,20 +222,15 @@ def vllm_router(tmp_path: Path, policy: str, workers: list[tuple[str, str, str]]
             args += ["--kv-event-source", f"{url}={pub}"]
             args += ["--kv-event-replay-source", f"{url}={rep}"]
         args += ["--kv-event-block-size", str(B), "--kv-event-model", "tiny"]
-    log = (tmp_path / f"router-{policy}.log").open("ab")
-    env = {**os.environ, "NO_COLOR": "1"}
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
+    base = f"http://127.0.0.1:{port}"
+    router = ServerProcess(args, program=[str(VLLM_ROUTER)], health_url=f"{base}/health",
+                           log_path=tmp_path / f"router-{policy}.log",
+                           env={"NO_COLOR": "1"})  # fmt: skip
+    router.start(60)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-        yield f"http://127.0.0.1:{port}"
+        yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        router.stop()
 
 
 def cached_tokens(router: str, prompts: list[str]) -> list[int]:

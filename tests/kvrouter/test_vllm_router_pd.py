@@ -13,10 +13,8 @@ what does not map (Mooncake, MoRI-IO, a dead prefill worker).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +27,7 @@ import pytest
 from engine_worker.pd import parse_pd
 from engine_worker.protocol import ApiError
 from kvrouter.embedded_redis import free_port
-from tests.support.servers import ServerProcess, wait_http
+from tests.support.servers import ServerProcess
 
 VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
 BLOCK = 16
@@ -85,25 +83,18 @@ def worker_proc(tmp_path: Path, name: str, role: str) -> tuple[ServerProcess, st
 def vllm_router_pd(tmp_path: Path, prefill: str, decode: str) -> Iterator[str]:
     """``vllm-router --vllm-pd-disaggregation`` on a free port; yields its URL."""
     port = free_port()
-    args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
+    args = ["--host", "127.0.0.1", "--port", str(port),
             "--prometheus-port", str(free_port()), "--vllm-pd-disaggregation",
             "--prefill", prefill, "--decode", decode, "--policy", "round_robin",
             "--worker-startup-check-interval", "1", "--log-level", "debug"]  # fmt: skip
-    log = (tmp_path / "router.log").open("ab")
-    proc = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"}
-    )
-    log.close()
+    url = f"http://127.0.0.1:{port}"
+    router = ServerProcess(args, program=[str(VLLM_ROUTER)], health_url=f"{url}/health",
+                           log_path=tmp_path / "router.log", env={"NO_COLOR": "1"})  # fmt: skip
+    router.start(60)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        router.stop()
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -74,12 +74,14 @@ class ServerProcess:
     """A ``kvrouter`` CLI command in its own process group (killable with SIGKILL).
 
     ``python`` is the interpreter that runs it (another venv's, say); this one by default.
+    ``program`` runs another server instead (a peer router's binary): ``[*program, *args]``.
     """
 
     def __init__(self, args: Sequence[str], *, health_url: str, log_path: Path,
-                 env: dict[str, str] | None = None,
-                 python: str = sys.executable) -> None:  # fmt: skip
-        self.args = [python, "-m", "kvrouter", *args]
+                 env: dict[str, str] | None = None, python: str = sys.executable,
+                 program: Sequence[str] | None = None) -> None:  # fmt: skip
+        prefix = list(program) if program is not None else [python, "-m", "kvrouter"]
+        self.args = [*prefix, *args]
         self.health_url = health_url
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
