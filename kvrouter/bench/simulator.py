@@ -244,6 +244,8 @@ class _Worker:
     beat: WorkerView | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
+    #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
+    pulling: int = 0
     role: Role = Role.BOTH
 
 
@@ -262,6 +264,7 @@ class _Transfer:
     have: int
     held: int
     cached: tuple[int, int, int] | None = None
+    counted: bool = False
 
 
 def _max_model_len(trace: Sequence[TraceRecord], config: SimConfig) -> int:
@@ -360,7 +363,8 @@ class _Cluster:
             running=load.running,
             waiting=load.waiting,
             in_flight=w.in_flight,
-            queued_prefill_tokens=load.queued_prefill_tokens,
+            # A request waiting for its pulled prefix is queued as far as routing goes.
+            queued_prefill_tokens=load.queued_prefill_tokens + w.pulling,
             queued_prefill_context=load.queued_prefill_context,
             running_kv_tokens=load.running_kv_tokens,
             kv_active_blocks=load.active_blocks,
@@ -448,25 +452,36 @@ class _Cluster:
             have = len(w.pool.match_prefix(keys))
             held = len(source.pool.match_prefix(keys))
             if held > have:
-                self.send(source, _Transfer(i, w.host, keys, tokens, have, held), now)
+                # The gateway counts a request's load when it dispatches it, before the
+                # worker pulls: so does the replay, or the pull would hide it from routing.
+                self.count(w, rid, len(tokens), held, i)
+                w.pulling += self.pending_prefill[rid]
+                pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
+                self.send(source, pull, now)
                 return
         self.admit(w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now)
 
+    def count(self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int) -> None:
+        """Add a request to the router's own load count of ``w`` (released as it runs)."""
+        w.in_flight += 1
+        uncached = max(tokens - matched_blocks * self.config.block_size, 1)
+        w.tracked_prefill += uncached
+        self.pending_prefill[rid] = uncached
+        self.live[rid] = i
+
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
-        matched_blocks: int, i: int, now: float,
+        matched_blocks: int, i: int, now: float, counted: bool = False,
     ) -> None:  # fmt: skip
-        """Queue a request on ``w``; an idle worker starts a step."""
+        """Queue a request on ``w`` (counting its load unless ``counted``); an idle worker
+        starts a step."""
         cfg = self.config
         sampling = SamplingParams(max_tokens=output, ignore_eos=True)
         request = Request(rid, tokens, sampling, self.root, cfg.block_size, arrival=now)
         request.keys = keys
         w.scheduler.add(request)
-        w.in_flight += 1
-        uncached = max(len(tokens) - matched_blocks * cfg.block_size, 1)
-        w.tracked_prefill += uncached
-        self.pending_prefill[rid] = uncached
-        self.live[rid] = i
+        if not counted:
+            self.count(w, rid, len(tokens), matched_blocks, i)
         if w.step is None:
             self.start_step(w, now)
 
@@ -495,8 +510,12 @@ class _Cluster:
         self.publish(w, now)
         if t.cached is not None:
             self.cached_override[t.index] = t.cached
+        if t.counted:
+            w.pulling -= self.pending_prefill[f"r{t.index}"]
         output = self.trace[t.index].output_length
-        self.admit(w, f"r{t.index}", t.tokens, t.keys, output, t.held, t.index, now)
+        self.admit(
+            w, f"r{t.index}", t.tokens, t.keys, output, t.held, t.index, now, counted=t.counted
+        )
 
     def start_step(self, w: _Worker, now: float) -> None:
         """Plan and time the worker's next step, or leave it idle when it has no work."""

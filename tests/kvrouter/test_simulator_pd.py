@@ -22,8 +22,10 @@ GROUPS = GroupsWorkload(
 BASE = SimConfig(workers=1, hbm_blocks=2000, dram_blocks=0, ssd_blocks=0, max_num_seqs=32)
 
 
-def run(trace: list[TraceRecord], config: SimConfig, policy: str = "kv_ttft") -> SimResult:
-    return simulate(trace, build_policy(policy, seed=0), config)
+def run(
+    trace: list[TraceRecord], config: SimConfig, policy: str = "kv_ttft", pooling: bool = True
+) -> SimResult:
+    return simulate(trace, build_policy(policy, seed=0, pooling=pooling), config)
 
 
 def test_always_prefills_on_prefill_workers_and_decodes_on_decode_workers() -> None:
@@ -70,9 +72,10 @@ def test_decode_alone_on_its_workers_keeps_the_time_per_token_steady() -> None:
     )  # fmt: skip
     trace = generate(workload, seed=3)
     big = dataclasses.replace(BASE, hbm_blocks=8000)
-    colocated = run(trace, dataclasses.replace(big, workers=2))
+    # Pooling off on both sides: it changes which prefills run, not where decode runs.
+    colocated = run(trace, dataclasses.replace(big, workers=2), pooling=False)
     pd = dataclasses.replace(big, workers=0, prefill_workers=1, decode_workers=1, pd="always")
-    split = run(trace, pd)
+    split = run(trace, pd, pooling=False)
     tpot = summarize("c", colocated.records, colocated.busy_s).tpot_p90_s
     pd_tpot = summarize("pd", split.records, split.busy_s).tpot_p90_s
     assert pd_tpot < 0.8 * tpot
@@ -111,6 +114,37 @@ def test_a_pooled_prefix_is_pulled_from_the_peer_before_the_request_runs() -> No
     assert second.ttft_s > moved / 1e9
     assert set(result.in_use_blocks.values()) == {0}
     assert result.index_entries == result.cached_blocks
+
+
+class PoolAndWatch(PoolToSecond):
+    """PoolToSecond that keeps the views each request was routed on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views: list[dict[str, WorkerView]] = []
+
+    def choose(
+        self, request: RouteRequest, workers: Sequence[WorkerView],
+        matches: Mapping[str, PrefixMatch],
+    ) -> Decision:  # fmt: skip
+        self.views.append({w.host: w for w in workers})
+        return super().choose(request, workers, matches)
+
+
+def test_a_request_waiting_for_its_pull_counts_as_load_on_its_worker() -> None:
+    # As the gateway counts a request when it dispatches it, before the worker pulls,
+    # the replay shows a request whose prefix is in flight to w1 in w1's load.
+    prompt = TraceRecord(0.0, 4096, 8, list(range(8)))
+    again = TraceRecord(2000.0, 4096 + 512, 8, [*range(8), 99])
+    during = TraceRecord(2010.0, 64, 8, [500])  # the 0.5 GB pull takes ~0.5 s
+    config = dataclasses.replace(BASE, workers=2, transfer_bandwidth=1e9)
+    policy = PoolAndWatch()
+    result = simulate([prompt, again, during], policy, config)
+    seen = policy.views[2]["w1"]
+    assert seen.in_flight == 1
+    assert seen.queued_prefill_tokens >= 512
+    assert result.records[1].cached_tokens[0] == 4096
+    assert set(result.in_use_blocks.values()) == {0}
 
 
 def test_goodput_counts_requests_within_both_slos() -> None:
