@@ -4,7 +4,7 @@ charged for the delay its work imposes on the requests behind it.
 Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
 
     TTFT(w)  = max(queue(w), memory(w)) + load(w) + prefill(w)
-    score(w) = TTFT(w) + externality_weight * delayed(w) * TTFT(w) / (1 - rho)
+    score(w) = TTFT(w) + externality_weight * (delayed(w) * TTFT(w) + landing(w)) / (1 - rho)
 
 * ``queue``: draining the prompt tokens already queued on ``w`` (the view's
   ``queued_prefill_tokens``, which the gateway overlays with its own exact
@@ -55,6 +55,15 @@ long prompt cached nowhere look cheapest on the worker chosen least lately,
 the backlogged one, and kept long prompts away from workers whose traffic
 was free to move: on production-shaped traffic near capacity that was a p99
 ten times the best peer's (docs/benchmarks.md, "Production-shaped traffic").
+
+With pooling, a request whose prefix is being pulled to ``w`` is queued there
+only when its blocks land, behind whatever ``w`` started meanwhile: a long
+prompt routed to ``w`` in between makes it wait its whole prefill. The
+policy remembers when each pull it ordered should land; a candidate pays,
+in its externality, the part of its work that each pull landing before its
+prefill ends waits behind (``landing_s``). Blocks being pulled are not
+speculated on their target either: a request that followed there before
+they land would recompute them, so it prices its own pull instead.
 
 The minimum score wins; ties go to the fewest in-flight requests (including
 those routed here and not yet visible), then the host name, so decisions are
@@ -156,6 +165,7 @@ class KvTtftPolicy:
         self.excess_work = excess_work
         self.pooling = pooling
         self._busy = 0.0
+        self._landing: dict[str, list[float]] = {}
 
     def choose(
         self,
@@ -180,11 +190,12 @@ class KvTtftPolicy:
             workers
         )
         self._busy += 0.02 * (busy_now - self._busy)
+        self._expire_landings(now)
         stretch = 1.0 / max(1.0 - self._busy, 0.1) if self.busy_period else 1.0
         keys = request.block_keys
         scores: dict[str, dict[str, float]] = {}
         rank: dict[str, tuple[float, int, str]] = {}
-        blocks: dict[str, tuple[int, int]] = {}
+        blocks: dict[str, tuple[int, int, int]] = {}
         sources: dict[str, str] = {}
         for view in workers:
             profile = resolve_profile(view, self.default_profile)
@@ -245,7 +256,7 @@ class KvTtftPolicy:
                 "ttft_s": ttft,
                 "work_s": work,
             }
-            blocks[view.host] = (matched + pulled, new)
+            blocks[view.host] = (matched, pulled, new)
         # The compute this request adds delays those routed behind it on this worker,
         # (routing rate x the time until this prefill ends) requests stretched by the busy
         # period: by the excess over the least work any worker would spend, or by the whole
@@ -261,12 +272,24 @@ class KvTtftPolicy:
                 delayed = min(work * affine, switching) + (work - least) * (rate - affine)
             else:
                 delayed = work * rate
-            s["externality_s"] = externality = delayed * s["ttft_s"] * stretch
+            # Requests whose pulled prefix lands here before this prefill ends queue behind
+            # it (they are bound here by the pull): each waits the rest of this work.
+            end = now + s["ttft_s"]
+            landing = sum(min(work, end - t) for t in self._landing.get(host, ()) if t < end)
+            s["landing_s"] = landing
+            s["externality_s"] = externality = (delayed * s["ttft_s"] + landing) * stretch
             s["total"] = total = s["ttft_s"] + self.externality_weight * externality
             rank[host] = (total, int(s["in_flight"]), host)
         best = min(rank, key=rank.__getitem__)
-        matched, new = blocks[best]
-        self.speculation.record(best, keys, new, now)
+        matched, pulled, new = blocks[best]
+        if pulled:
+            # The pulled blocks are not on ``best`` until the pull lands: a request that
+            # followed this one there before then would recompute them, so they are not
+            # speculated; the next request sees the peer's copy and prices its own pull.
+            self._landing.setdefault(best, []).append(now + scores[best]["pull_s"])
+            self.speculation.record(best, keys[:matched], new, now)
+        else:
+            self.speculation.record(best, keys, new, now)
         self.routed.record(best, now)
         # How much this request is bound to its worker: the share of its prompt only that
         # worker held, and the compute per second the choice saved against the next best.
@@ -281,9 +304,18 @@ class KvTtftPolicy:
             policy=self.name,
             scores=scores,
             predicted_ttft_s=scores[best]["ttft_s"],
-            matched_blocks=matched,
+            matched_blocks=matched + pulled,
             kv_source=sources.get(best),
         )
+
+    def _expire_landings(self, now: float) -> None:
+        """Forget the pulls that have landed by ``now``."""
+        for host in list(self._landing):
+            left = [t for t in self._landing[host] if t > now]
+            if left:
+                self._landing[host] = left
+            else:
+                del self._landing[host]
 
     @staticmethod
     def _peer(

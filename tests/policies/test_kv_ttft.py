@@ -354,3 +354,55 @@ def test_pooling_pulls_a_busy_peers_prefix_instead_of_waiting_or_recomputing() -
     # A worker that measured a slow network pulls only when it still pays.
     slow = [view("holder", queued=40_000), replace(view("idle"), transfer_bandwidth=1e8)]
     assert KvTtftPolicy(pooling=True).choose(request(prompt), slow, matches).kv_source is None
+
+
+def _pool_onto_idle(policy: KvTtftPolicy, prompt: list[int]) -> None:
+    """Route ``prompt`` while its prefix sits on a backlogged holder: it is pulled to "a"."""
+    held = (len(prompt) - 256) // BLOCK
+    workers = [view("holder", queued=40_000), view("a"), view("b", queued=2_000)]
+    decision = policy.choose(request(prompt), workers, {"holder": match("holder", hbm=held)})
+    assert (decision.worker, decision.kv_source) == ("a", "holder")
+
+
+def test_a_long_prompt_is_kept_off_a_worker_whose_pulled_prefix_has_not_landed() -> None:
+    # A 16K-token prefix is being pulled to "a" (~0.17 s). A 64K-token prompt cached
+    # nowhere arrives just after: "a" shows only the pulled request's 256 new tokens,
+    # "b" 2,000 queued tokens. On "a" it would start at once, and the pulled request,
+    # queued when its blocks land, would wait the whole ~4 s prefill behind it.
+    prompt = tokens(16_384 + 256, seed=34)
+    long = tokens(65_536, seed=35)
+    after = [view("holder", queued=40_000), view("a", queued=256), view("b", queued=2_000)]
+    # A policy that never routed the pull sees only the shorter queue on "a".
+    assert KvTtftPolicy(pooling=True).choose(request(long), after, {}).worker == "a"
+    policy = KvTtftPolicy(pooling=True)
+    _pool_onto_idle(policy, prompt)
+    decision = policy.choose(request(long, now=0.01), after, {})
+    assert decision.worker == "b"
+    landing = decision.scores["a"]["landing_s"]
+    assert 3.0 < landing <= decision.scores["a"]["work_s"]
+    assert decision.scores["b"]["landing_s"] == 0.0
+    # Once the pull has landed it no longer holds anything back.
+    later = policy.choose(request(long, now=5.0), after, {})
+    assert later.scores["a"]["landing_s"] == 0.0
+
+
+def test_a_request_that_follows_a_pull_prices_its_own_pull_not_the_blocks_in_flight() -> None:
+    # Routing a request speculatively marks its blocks as held where it went. Blocks
+    # that are being pulled are not there yet: a second request for the same document
+    # sent there before they land would find them missing and recompute 16K tokens.
+    prompt = tokens(16_384 + 256, seed=36)
+    held = (len(prompt) - 256) // BLOCK
+    policy = KvTtftPolicy(pooling=True)
+    _pool_onto_idle(policy, prompt)
+    after = [view("holder", queued=40_000), view("a", queued=256), view("b", queued=2_000)]
+    follower = policy.choose(
+        request(prompt, now=0.01), after, {"holder": match("holder", hbm=held)}
+    )
+    assert follower.kv_source == "holder"
+    assert follower.scores[follower.worker]["pulled_blocks"] == held
+    # A prefix computed where it went is speculated as before: the next request finds it.
+    local = KvTtftPolicy(pooling=True)
+    workers = [view("a"), view("b", queued=2_000)]
+    assert local.choose(request(prompt), workers, {}).worker == "a"
+    again = local.choose(request(prompt, now=0.01), workers, {})
+    assert (again.worker, again.kv_source, again.matched_blocks) == ("a", None, held + 16)
