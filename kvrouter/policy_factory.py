@@ -10,7 +10,8 @@ speculative *load* would count those requests twice; its speculative
 *prefix* entries stay on. Policies that predict time fall back to the
 default Llama-3-8B/H100 profile for workers that publish none. Router
 settings that only some policies take (``speculative_ttl_s``, ``pooling``)
-reach those policies and no other.
+reach those policies and no other. ``kv_ttft`` prices pulling a peer's longer
+prefix (pooling) unless told not to.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def build_policy(
     seed: int = 0,
     *,
     speculative_ttl_s: float | None = None,
-    pooling: bool | None = None,
+    pooling: bool = True,
     **overrides: Any,
 ) -> Policy:
     """The registered policy ``name`` configured for an exactly-accounting router.
@@ -39,8 +40,10 @@ def build_policy(
         seed: Seeds randomized policies.
         speculative_ttl_s: How long ``kv_ttft`` trusts its speculative prefix entries
             (None: its default); ignored by other policies.
-        pooling: Whether ``kv_ttft`` may pull a cached prefix from a peer (None: its
-            default); ignored by other policies.
+        pooling: Whether ``kv_ttft`` may pull a cached prefix from a peer. On by default:
+            both routers that build policies here carry the pull out (the gateway asks the
+            chosen worker to pull, the simulator moves the blocks), as Mooncake's conductor
+            does with its hot-spot replication; ignored by other policies.
         overrides: More options for the policy itself.
     """
     options: dict[str, Any] = {}
@@ -50,7 +53,6 @@ def build_policy(
         options["speculative_load"] = False
         if speculative_ttl_s is not None:
             options["speculative_ttl_s"] = speculative_ttl_s
-        if pooling is not None:
-            options["pooling"] = pooling
+        options["pooling"] = pooling
     options.update(overrides)
     return make_policy(name, seed=seed, **options)

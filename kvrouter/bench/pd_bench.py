@@ -92,7 +92,7 @@ def _cell(
         changes = {**changes, "prefill_workers": split[0], "decode_workers": split[1]}
     trace = generate(WORKLOADS[workload], seed)
     config = dataclasses.replace(SimConfig(seed=seed, time_scale=scale), **changes)  # type: ignore[arg-type]
-    pooling = True if options.get("pooling") else None
+    pooling = bool(options.get("pooling"))
     result = simulate(trace, build_policy("kv_ttft", seed=seed, pooling=pooling), config)
     s = summarize(name, result.records, result.busy_s)
     if split is not None:

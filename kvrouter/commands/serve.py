@@ -19,6 +19,10 @@ def serve(
     worker: Annotated[list[str] | None, typer.Option(help="Static worker URL (repeatable)")] = None,
     policy: Annotated[str, typer.Option(help="Routing policy")] = "",
     pd: Annotated[str, typer.Option(help="Prefill/decode split: never | always | auto")] = "",
+    pooling: Annotated[
+        bool | None,
+        typer.Option("--pooling/--no-pooling", help="kv_ttft pulls a peer's longer prefix [on]"),
+    ] = None,
     block_size: Annotated[int | None, typer.Option(help="Tokens per KV block")] = None,
     key_prefix: Annotated[str, typer.Option(help="Redis key prefix")] = "",
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
@@ -32,6 +36,7 @@ def serve(
     given: dict[str, Any] = {
         "port": port, "bind": bind, "models": model, "redis_url": redis, "workers": worker,
         "policy": policy, "block_size": block_size, "key_prefix": key_prefix, "pd": pd,
+        "pooling": pooling,
     }  # fmt: skip
     settings = RouterSettings(**{k: v for k, v in given.items() if v not in (None, "", [])})
     configure_logging("gateway", log_level)

@@ -36,6 +36,9 @@ def up(
     prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers")] = 0,
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers")] = 0,
     pd: Annotated[str, typer.Option(help="Prefill/decode split: never | always | auto")] = "",
+    pooling: Annotated[
+        bool, typer.Option("--pooling/--no-pooling", help="Workers pull a peer's longer prefix")
+    ] = True,
     runner: Annotated[str, typer.Option(help="torch (real model) | sim (timing model)")] = "torch",
     model: Annotated[str, typer.Option(help="smollm2 | tiny | .gguf file | HF directory")] = (
         "smollm2"
@@ -127,7 +130,7 @@ def up(
         gateway = sup.spawn(
             "gateway",
             [*py, "serve", "--port", str(port), "--model", model, "--policy", policy,
-             "--pd", split],
+             "--pd", split, "--pooling" if pooling else "--no-pooling"],
             f"http://127.0.0.1:{port}/ready",
         )  # fmt: skip
         with console.status(f"starting {len(roles)} {runner} workers ({model})..."):

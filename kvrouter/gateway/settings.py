@@ -68,7 +68,7 @@ class RouterSettings(BaseSettings):
         "never", description="prefill/decode disaggregation: never, always, or auto (by cost)"
     )
     pooling: bool = Field(
-        False, description="kv_ttft: pull a longer cached prefix from a peer when that is faster"
+        True, description="kv_ttft: pull a longer cached prefix from a peer when that is faster"
     )
     drain_s: float = Field(
         30.0, ge=0, description="on SIGTERM: how long in-flight streams may finish (not ready)"
