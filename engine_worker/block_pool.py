@@ -25,6 +25,12 @@ A prefix hit on DRAM/SSD promotes the block: a fresh HBM block is taken
 (which may cascade as above), the bytes copied up and the lower slot freed.
 Only HBM blocks carry references; DRAM and SSD slots always sit in their
 medium's free queue, cached ones in LRU order and empty ones at the head.
+
+A cached block's checksum (what a KV transfer sends with it,
+:mod:`engine_worker.block_checksum`) is metadata like its key: taken from the
+storage when the block is cached, moved with the key on every copy between
+tiers (the copy is exact), dropped with the key. The bytes of a block holding a
+key never change, so it stays right for as long as the key does.
 """
 
 from __future__ import annotations
@@ -364,12 +370,20 @@ class BlockPool:
                     queue.append(block)
 
     def cache_block(
-        self, block: Block, key: int, parent: int | None, token_ids: list[int] | None = None
+        self,
+        block: Block,
+        key: int,
+        parent: int | None,
+        token_ids: list[int] | None = None,
+        checksum: int | None = None,
     ) -> None:
         """Cache a full HBM block in use under ``key`` (event ``stored{[key], parent, hbm}``).
 
         ``token_ids`` (the block's tokens) go into the event when
         :attr:`event_token_ids` is set; callers that do not know them pass None.
+        ``checksum`` is the block's checksum when the caller has verified it (a
+        received block); otherwise the storage computes it now, if its bytes are in
+        host memory (:meth:`TierStorage.checksum`).
 
         If ``key`` is already cached on some medium (another request computed
         the same block), the block stays uncached and no event is queued: it is
@@ -378,7 +392,8 @@ class BlockPool:
 
         Raises:
             PoolError: The block is not an in-use HBM block of this pool, already holds
-                another key, or ``key`` / ``parent`` is not a u64; nothing changed.
+                another key, or ``key`` / ``parent`` / ``checksum`` is not a u64; nothing
+                changed.
         """
         if not self._owns(block) or block.medium is not Medium.HBM:
             raise PoolError(f"only HBM blocks of this pool can be cached, got {block!r}")
@@ -387,6 +402,8 @@ class BlockPool:
         _check_key(key, "key")
         if parent is not None:
             _check_key(parent, "parent")
+        if checksum is not None:
+            _check_key(checksum, "checksum")
         if not self._caching or block.key == key:
             return
         if block.key is not None:
@@ -395,10 +412,27 @@ class BlockPool:
             self._stats.duplicates += 1
             return
         block.key, block.parent = key, parent
+        if checksum is None and self._storage is not None:
+            checksum = self._storage.checksum(Medium.HBM, block.block_id)
+        block.checksum = checksum
         self._cached[key] = block
         tokens = token_ids if self.event_token_ids else None
         self._events.append(BlockStored([key], parent, Medium.HBM, tokens))
         self._stats.stored += 1
+
+    def note_checksum(self, block: Block, checksum: int) -> None:
+        """Remember the checksum of a cached block's bytes, computed by a reader (a KV
+        transfer of a block cached before its checksum was known: device memory, SSD
+        restored at start).
+
+        Raises:
+            PoolError: The block is not a cached block of this pool, or ``checksum`` is
+                not a u64; nothing changed.
+        """
+        if block.key is None or self._cached.get(block.key) is not block or not self._owns(block):
+            raise PoolError(f"{block!r} is not a cached block of this pool")
+        _check_key(checksum, "checksum")
+        block.checksum = checksum
 
     def clear_cache(self) -> bool:
         """Forget every cached key on every medium, and queue ``cleared{}``.
@@ -413,7 +447,7 @@ class BlockPool:
         """
         had_keys = bool(self._cached)
         for block in self._cached.values():
-            block.key = block.parent = None
+            block.key = block.parent = block.checksum = None
         self._cached.clear()
         for m in MEDIA:
             self._empty[m] = len(self._queues[m]) + self._fresh[m]
@@ -457,6 +491,8 @@ class BlockPool:
                     raise PoolError(f"{m} block {b.block_id} has ref_cnt {b.ref_cnt}")
                 if (b.ref_cnt == 0) != (id(b) in in_queue):
                     raise PoolError(f"{m} block {b.block_id}: queued iff unreferenced is broken")
+                if b.key is None and b.checksum is not None:
+                    raise PoolError(f"{m} block {b.block_id} keeps a checksum without a key")
                 if b.key is not None:
                     keyed += 1
                     if self._cached.get(b.key) is not b:
@@ -540,12 +576,12 @@ class BlockPool:
                 storage.copy_block(src, block.block_id, dst, target.block_id)
                 storage.record_freed(src, block.block_id)
                 storage.record_stored(dst, target.block_id, key, parent)
-            target.key, target.parent = key, parent
+            target.key, target.parent, target.checksum = key, parent, block.checksum
             self._cached[key] = target
             self._queues[dst].append(target)
             self._events.append(BlockStored(keys=[key], parent=parent, medium=dst))
             self._stats.demotions[src] += 1
-        block.key = block.parent = None
+        block.key = block.parent = block.checksum = None
 
     def _promote(self, lower: Block) -> Block:
         """Move a pinned DRAM/SSD block's key and bytes into a fresh HBM block."""
@@ -555,10 +591,10 @@ class BlockPool:
         if self._storage is not None:
             self._storage.copy_block(src, lower.block_id, Medium.HBM, block.block_id)
             self._storage.record_freed(src, lower.block_id)
-        lower.key = lower.parent = None
+        block.key, block.parent, block.checksum = key, parent, lower.checksum
+        lower.key = lower.parent = lower.checksum = None
         self._queues[src].appendleft(lower)
         self._empty[src] += 1
-        block.key, block.parent = key, parent
         self._cached[key] = block
         self._events.append(BlockRemoved(keys=[key], medium=src))
         self._events.append(BlockStored(keys=[key], parent=parent, medium=Medium.HBM))

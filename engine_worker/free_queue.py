@@ -40,6 +40,8 @@ class Block:
         ref_cnt: Requests using the block (HBM only; DRAM/SSD slots are never referenced).
         key: Block key once the block is full and cached, else None.
         parent: Key of the block before it (the root parent for a first block).
+        checksum: xxh3-64 of the block's bytes while it holds ``key``, when known (see
+            :mod:`engine_worker.block_checksum`); None otherwise.
         prev_free: Previous block in the medium's free queue (intrusive link).
         next_free: Next block in the medium's free queue (intrusive link).
     """
@@ -49,6 +51,7 @@ class Block:
     ref_cnt: int = 0
     key: int | None = None
     parent: int | None = None
+    checksum: int | None = None
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
 

@@ -1,17 +1,20 @@
 """Pulling KV blocks from another worker: only what this worker lacks, validated, timed.
 
 :class:`KvPuller` asks its own pool how much of a run of keys it holds
-already, then requests the rest in windows of at most
-:data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS` over the source's KV data
-socket (:mod:`engine_worker.kv_socket`): once a window's header is valid, fresh
-HBM blocks are reserved on the engine thread and each block is received straight
-into one and checked; the window is cached only when all of it is valid, else
-its blocks go back uncached. A source without a data port is pulled over HTTP
-(``POST /kv/blocks``), validated in full, then imported. A failure leaves the
-windows imported so far (each a valid prefix) and raises
-:class:`~engine_worker.kv_transfer.TransferError`: the caller computes what
-is missing. Every pull is timed end to end (request to last byte) and folded
-into the worker's transfer bandwidth, which its heartbeat publishes.
+already and, in the same call on the engine thread, reserves fresh HBM blocks
+for the first window of the rest (at most
+:data:`~engine_worker.kv_transfer.MAX_TRANSFER_BLOCKS` keys); it then requests
+the window over the source's KV data socket (:mod:`engine_worker.kv_socket`),
+where each block is received straight into its reserved block and checked; the
+window is cached only when all of it is valid, else its blocks go back
+uncached. So a pull costs two engine-thread calls here (lack and reserve;
+commit) and one on the source (pin). A source without a data port is pulled
+over HTTP (``POST /kv/blocks``), validated in full, then imported. A failure
+leaves the windows imported so far (each a valid prefix) and raises
+:class:`~engine_worker.kv_transfer.TransferError`: the caller computes what is
+missing. Every pull is timed end to end (from asking the pool what it lacks to
+the blocks cached) and folded into the worker's transfer bandwidth, which its
+heartbeat publishes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -28,7 +31,7 @@ import httpx
 
 from engine_worker.block_pool import BlockPool
 from engine_worker.engine import EngineLoop
-from engine_worker.kv_socket import fetch_blocks
+from engine_worker.kv_socket import TRANSFER_THREADS, fetch_blocks
 from engine_worker.kv_transfer import (
     MAX_TRANSFER_BLOCKS,
     Expected,
@@ -98,10 +101,12 @@ class KvPuller:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.AsyncClient(timeout=timeout_s)
         self._ports: dict[str, int | None] = {}
+        self._receivers = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="kv-receive")
 
     async def aclose(self) -> None:
-        """Close the HTTP client."""
+        """Close the HTTP client and the receiver threads."""
         await self._client.aclose()
+        self._receivers.shutdown(wait=False)
 
     @property
     def bandwidth(self) -> float | None:
@@ -127,17 +132,24 @@ class KvPuller:
                 invalid (``reason`` says which); windows before it stay imported.
         """
         keys = list(keys)
-        present = await self._on_pool(lambda p: len(p.match_prefix(keys)))
         pulled = received = 0
         started = time.perf_counter()
-        starts = list(range(present, len(keys), MAX_TRANSFER_BLOCKS)) or [len(keys)]
         try:
+            port = await self._data_port(source_url)
+            present, reservation = await self._lacking(keys, reserve=port is not None)
+            starts = list(range(present, len(keys), MAX_TRANSFER_BLOCKS)) or [len(keys)]
             for start in starts:
                 window = keys[start : start + MAX_TRANSFER_BLOCKS]
                 if not window and release is None:
                     break
                 last = start == starts[-1]
-                got, size = await self._window(source_url, window, release if last else None)
+                rel = release if last else None
+                if port is None:
+                    got, size = await self._http_window(source_url, window, rel)
+                else:
+                    got, size = await self._socket_window(source_url, port, window, rel,
+                                                          reservation)  # fmt: skip
+                reservation = None
                 pulled += got
                 received += size
                 if got < len(window):
@@ -152,6 +164,32 @@ class KvPuller:
             self.metrics.transfer_bytes.labels("received").inc(received)
             self.metrics.transfer_blocks.labels("received").inc(pulled)
         return PullResult(len(keys), present, pulled, received, seconds)
+
+    async def _lacking(self, keys: list[int], reserve: bool) -> tuple[int, Reservation | None]:
+        """How many leading ``keys`` the pool holds and, with ``reserve``, a reservation for
+        the first window of the rest (one engine-thread call)."""
+        storage = self.storage
+
+        def lacking(s: Scheduler) -> tuple[int, Reservation | None]:
+            present = len(s.pool.match_prefix(keys))
+            window = keys[present : present + MAX_TRANSFER_BLOCKS]
+            if not (reserve and window):
+                return present, None
+            return present, reserve_import(s.pool, storage, None, window)
+
+        return await self._reserving(lacking)
+
+    async def _reserving(
+        self, fn: Callable[[Scheduler], tuple[int, Reservation | None]]
+    ) -> tuple[int, Reservation | None]:
+        """``fn`` on the engine thread; what it reserves is given back if the caller is
+        cancelled meanwhile."""
+        future = self.engine.call(fn)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._give_back_late)
+            raise
 
     async def _data_port(self, source_url: str) -> int | None:
         """The source's KV data port (cached); None when it has none (HTTP only)."""
@@ -173,67 +211,75 @@ class KvPuller:
             self._ports[source_url] = port
         return port
 
-    async def _window(
+    def _expected(self, keys: list[int]) -> Expected:
+        layout = self.storage.layout if self.storage is not None else None
+        return expected_for(self.model, self.block_size, layout, keys)
+
+    async def _http_window(
         self, source_url: str, keys: list[int], release: str | None
     ) -> tuple[int, int]:
-        """Pull one window; returns (blocks imported, bytes received)."""
-        layout = self.storage.layout if self.storage is not None else None
-        expected = expected_for(self.model, self.block_size, layout, keys)
-        port = await self._data_port(source_url)
-        if port is None:
-            header, blocks, received = await self._http_window(source_url, keys, release, expected)
-            if not header.keys:
-                return 0, received
+        """Pull one window over HTTP, then import it; returns (blocks imported, bytes)."""
+        header, blocks, received = await self._http_fetch(
+            source_url, keys, release, self._expected(keys)
+        )
+        if not header.keys:
+            return 0, received
+        storage = self.storage
+
+        def put(pool: BlockPool) -> int:
+            return import_blocks(
+                pool, storage, header.parent, header.keys, blocks, header.checksums
+            )
+
+        return await self._on_pool(put), received
+
+    async def _socket_window(
+        self,
+        source_url: str,
+        port: int,
+        keys: list[int],
+        release: str | None,
+        reservation: Reservation | None,
+    ) -> tuple[int, int]:
+        """Pull one window over the data socket into ``reservation`` (reserved now when
+        None); returns (blocks imported, bytes received)."""
+        if reservation is None and keys:
             storage = self.storage
-
-            def put(pool: BlockPool) -> int:
-                return import_blocks(pool, storage, header.parent, header.keys, blocks)
-
-            return await self._on_pool(put), received
-        # The data socket: blocks land in fresh HBM blocks reserved once the header is
-        # valid, cached only when the whole window is (or given back uncached).
-        reservation: Reservation | None = None
+            _, reservation = await self._reserving(
+                lambda s: (0, reserve_import(s.pool, storage, None, keys))
+            )
+        held = reservation
 
         async def land(header: TransferHeader) -> Sequence[memoryview]:
-            nonlocal reservation
-            storage = self.storage
-
-            def reserve(s: Scheduler) -> Reservation:
-                return reserve_import(s.pool, storage, header.parent, header.keys)
-
-            future = self.engine.call(reserve)
-            try:
-                reservation = await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                # Reserved on the engine thread after all: give it back when it lands.
-                future.add_done_callback(self._give_back_late)
-                raise
-            return reservation.views
+            return held.land(header) if held is not None else []
 
         try:
-            header, _, received = await fetch_blocks(
-                httpx.URL(source_url).host, port, self._token, keys, release, expected,
-                self._timeout_s, land,
+            _, _, received = await fetch_blocks(
+                httpx.URL(source_url).host, port, self._token, keys, release,
+                self._expected(keys), self._timeout_s, land, self._receivers,
             )  # fmt: skip
         except BaseException:
+            if held is not None:
+                self._give_back(held)
+            raise
+        if held is None:
+            return 0, received
+        # Shielded: once the blocks are in, a cancelled caller still has them cached.
+        commit = self.engine.call(lambda _: held.commit())
+        return await asyncio.shield(asyncio.wrap_future(commit)), received
+
+    def _give_back_late(self, future: Future[tuple[int, Reservation | None]]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            reservation = future.result()[1]
             if reservation is not None:
                 self._give_back(reservation)
-            raise
-        if reservation is None:
-            return 0, received
-        done = reservation
-        return await self._on_pool(lambda _: done.commit()), received
-
-    def _give_back_late(self, future: Future[Reservation]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._give_back(future.result())
 
     def _give_back(self, reservation: Reservation) -> None:
         """Abort a reservation on the engine thread (also from a cancelled task)."""
         if self.engine.alive:
             self.engine.call(lambda _: reservation.abort())
 
-    async def _http_window(
+    async def _http_fetch(
         self, source_url: str, keys: list[int], release: str | None, expected: Expected
     ) -> tuple[TransferHeader, Sequence[memoryview], int]:
         """One window over ``POST /kv/blocks`` (a source without a data port)."""

@@ -10,10 +10,14 @@ One request per connection::
     server -> the transfer (:mod:`engine_worker.kv_transfer`: b"KVX1" header + blocks)
            or b"KVE1" | u32 length | msgpack {"reason", "message"}; then it closes.
 
-Both ends use plain non-blocking sockets on the event loop: the server sends
-blocks from the pinned KV tensor itself, the client receives each block into the
-pool block reserved for it (:func:`~engine_worker.kv_transfer.read_transfer` with a
-landing), so the bytes are copied only by the kernel, as in a raw socket copy.
+The request, the refusal and the transfer header go over the event loop; the
+blocks themselves are moved by one blocking thread per end (the server sends
+from the pinned KV tensor itself, the client receives each block into the pool
+block reserved for it and checks it as it lands), so the bytes are copied only
+by the kernel, as in a raw socket copy, without an event-loop round per
+``send``/``recv``. The loop keeps the deadline: when it passes, or the task is
+cancelled, the socket is shut down, which ends the thread's blocking call, and
+the blocks are released only once the thread is done with them.
 
 The request is bounded (1 MiB, 10 s to arrive), the internal token compared
 in constant time, the keys capped like ``POST /kv/blocks``. A worker's data
@@ -29,6 +33,8 @@ import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -41,14 +47,18 @@ from engine_worker.kv_transfer import (
     SocketReader,
     TransferError,
     TransferHeader,
+    check_block,
     encode_transfer,
-    read_transfer,
+    fresh_views,
+    read_header,
 )
 from indexer.tasks import cancel_and_wait
 
-__all__ = ["KvSocketServer", "fetch_blocks"]
+__all__ = ["TRANSFER_THREADS", "KvSocketServer", "fetch_blocks"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _FRAME = struct.Struct(">4sI")
 _REQUEST = b"KVQ1"
@@ -57,6 +67,8 @@ _REQUEST_TIMEOUT_S = 10.0
 _U64_MAX = 2**64 - 1
 #: Socket buffers of a transfer (the kernel may cap them): fewer wake-ups per block.
 _SOCKET_BUFFER = 8 << 20
+#: Threads moving blocks at once, per server and per client (more transfers queue).
+TRANSFER_THREADS = 16
 
 
 class TransferRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -89,17 +101,29 @@ def _frame(tag: bytes, body: bytes) -> bytes:
 class KvSocketServer:
     """Serves transfers on ``host:port`` (0: any free port) from ``export``.
 
-    Plain non-blocking sockets on the event loop: each block goes from the source's
-    memory to the kernel in one ``send`` call sequence, as in a raw socket copy.
+    Each block goes from the source's memory to the kernel in one blocking
+    ``sendall``, on a sender thread, as in a raw socket copy. A receiver that takes
+    longer than ``send_timeout_s`` to take a transfer is cut off (its blocks stay
+    pinned until then).
     """
 
-    def __init__(self, export: Export, token: str | None, host: str, port: int = 0) -> None:
+    def __init__(
+        self,
+        export: Export,
+        token: str | None,
+        host: str,
+        port: int = 0,
+        *,
+        send_timeout_s: float = 60.0,
+    ) -> None:
         self._export = export
+        self._send_timeout_s = send_timeout_s
         self._token = token
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._senders: ThreadPoolExecutor | None = None
 
     @property
     def port(self) -> int:
@@ -114,6 +138,7 @@ class KvSocketServer:
         listener = socket.create_server((self._host, self._port), reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
+        self._senders = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="kv-send")
         self._accepting = asyncio.create_task(self._accept(listener))
 
     async def stop(self) -> None:
@@ -123,6 +148,9 @@ class KvSocketServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._senders is not None:
+            self._senders.shutdown(wait=False)
+            self._senders = None
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -151,9 +179,10 @@ class KvSocketServer:
                 return
             out = await self._export(request.keys, request.release)
             try:
-                await loop.sock_sendall(conn, encode_transfer(out.header))
-                for payload in out.payload:
-                    await loop.sock_sendall(conn, payload)
+                head = encode_transfer(out.header)
+                limit = self._send_timeout_s
+                await _in_thread(conn, lambda: _send(conn, head, out.payload, limit),
+                                 self._senders, limit)  # fmt: skip
             finally:
                 out.close()
         except (TimeoutError, OSError) as exc:
@@ -181,6 +210,64 @@ class KvSocketServer:
         return request
 
 
+def _send(
+    conn: socket.socket, head: bytes, payload: Sequence[memoryview | bytes], timeout_s: float
+) -> None:
+    """Send a transfer's header and blocks (blocking, each call within ``timeout_s``: the
+    thread ends even if nobody shuts the socket down; on a sender thread)."""
+    conn.settimeout(timeout_s)
+    conn.sendall(head)
+    for data in payload:
+        if len(data):
+            conn.sendall(data)
+
+
+def _receive(
+    sock: socket.socket, header: TransferHeader, views: Sequence[memoryview], timeout_s: float
+) -> None:
+    """Receive the blocks of ``header`` into ``views``, each checked as it lands, then the
+    end of the stream (blocking, each call within ``timeout_s``; on a receiver thread)."""
+    sock.settimeout(timeout_s)
+    recv_into = sock.recv_into
+    for i in range(len(header.keys)):
+        view = views[i]
+        got, n = 0, len(view)
+        while got < n:
+            k = recv_into(view[got:])
+            if k == 0:
+                short = f"stream ended {n - got} bytes short in the block {i}"
+                raise TransferError("truncated", short)
+            got += k
+        check_block(header, i, view)
+    if sock.recv(1):
+        raise TransferError("trailing", "bytes after the last block")
+
+
+async def _in_thread(
+    sock: socket.socket,
+    fn: Callable[[], _T],
+    executor: ThreadPoolExecutor | None,
+    timeout_s: float | None = None,
+) -> _T:
+    """Run ``fn``, blocking I/O on ``sock``, on ``executor``; within ``timeout_s``.
+
+    On a timeout or a cancellation the socket is shut down (the thread's blocking call
+    returns) and the thread is waited for before the error propagates: the caller may
+    release the memory the thread reads or writes as soon as this returns.
+    """
+    done = asyncio.get_running_loop().run_in_executor(executor, fn)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(done)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        while not done.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([done])
+        raise
+
+
 async def _linger(conn: socket.socket, limit: int = 1 << 20, timeout_s: float = 1.0) -> None:
     """Half-close and discard what the peer still sends (a little, briefly): closing a
     socket with unread bytes resets the connection, and the peer could lose our answer."""
@@ -192,6 +279,18 @@ async def _linger(conn: socket.socket, limit: int = 1 << 20, timeout_s: float = 
                 limit -= len(chunk)
 
 
+async def _address(host: str, port: int) -> tuple[int, int, int, Any]:
+    """Family, type, protocol and address of ``host:port``; an IP address is taken as it
+    is (no resolver thread: a pull is on a request's path)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    return family, kind, proto, address
+
+
 async def fetch_blocks(
     host: str,
     port: int,
@@ -201,9 +300,11 @@ async def fetch_blocks(
     expected: Expected,
     timeout_s: float,
     land: Landing | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> tuple[TransferHeader, Sequence[memoryview], int]:
-    """Pull ``keys`` from the data port at ``host:port``; validated as :func:`read_transfer`
-    (blocks received where ``land`` says, by default into fresh buffers).
+    """Pull ``keys`` from the data port at ``host:port``; validated as
+    :func:`~engine_worker.kv_transfer.read_transfer` (blocks received where ``land``
+    says, by default into fresh buffers, by a thread of ``executor``).
 
     Returns the header, the blocks and the bytes received.
 
@@ -212,8 +313,7 @@ async def fetch_blocks(
     """
     loop = asyncio.get_running_loop()
     try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
+        family, kind, proto, address = await _address(host, port)
         sock = socket.socket(family, kind, proto)
     except (OSError, IndexError) as exc:
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
@@ -232,8 +332,10 @@ async def fetch_blocks(
                 refusal = _refusal_decoder.decode(body)
                 raise TransferError(refusal.reason, refusal.message)
             reader.push_back(head)
-            header, blocks = await read_transfer(reader, expected, land)
-        return header, blocks, _FRAME.size + length + header.block_bytes * len(blocks)
+            header = await read_header(reader, expected)
+            views = await land(header) if land is not None else fresh_views(header)
+            await _in_thread(sock, lambda: _receive(sock, header, views, timeout_s), executor)
+        return header, views, _FRAME.size + length + header.block_bytes * len(header.keys)
     except (OSError, TimeoutError) as exc:
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc
     finally:

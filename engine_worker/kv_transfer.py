@@ -23,12 +23,15 @@ Serving takes every requested block in one call on the engine thread, between
 two steps (:func:`export_pinned`): blocks in host-memory HBM are pinned (the
 scheduler cannot evict, move or overwrite them) and sent from where they are
 until the transfer ends; blocks on other media are copied out in that call. So a
-transfer is never torn. Requests are capped at :data:`MAX_TRANSFER_BLOCKS`
-blocks; a client pulls longer runs in windows.
-A receiver reserves fresh HBM blocks once the header is valid
-(:func:`reserve_import`) and receives each block straight into one, checking its
-checksum as it lands; only when the whole transfer is valid are they cached
-under their keys (:meth:`Reservation.commit`), so the pool announces them with
+transfer is never torn. The checksums come from the pool, which keeps one per
+cached block (:mod:`engine_worker.block_checksum`); only blocks cached without
+one (device memory, SSD restored at start) are hashed then. Requests are capped
+at :data:`MAX_TRANSFER_BLOCKS` blocks; a client pulls longer runs in windows.
+A receiver reserves fresh HBM blocks for the keys it lacks
+(:func:`reserve_import`, as soon as it knows which: before it asks) and
+receives each block straight into one, checking its checksum as it lands; only
+when the whole transfer is valid are they cached under their keys, with those
+checksums (:meth:`Reservation.commit`), so the pool announces them with
 ``stored`` events like any block it computed, then releases them to the free
 queue like a finished request's prefix. A refused transfer gives them back
 uncached (:meth:`Reservation.abort`): bytes that failed a check are never used.
@@ -49,8 +52,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-import xxhash
 
+from engine_worker.block_checksum import block_checksum
 from engine_worker.block_pool import Block, BlockPool
 from engine_worker.kv_layout import DTYPE_SIZES, KVLayout
 from indexer.media import Medium
@@ -69,11 +72,15 @@ __all__ = [
     "SocketReader",
     "TransferError",
     "TransferHeader",
+    "check_block",
+    "checksum",
     "encode_transfer",
     "expected_for",
     "export_blocks",
     "export_pinned",
+    "fresh_views",
     "import_blocks",
+    "read_header",
     "read_transfer",
     "reserve_import",
 ]
@@ -147,9 +154,18 @@ def encode_transfer(header: TransferHeader) -> bytes:
     return _PREFIX.pack(MAGIC, len(body)) + body
 
 
-def checksum(block: bytes | memoryview) -> int:
-    """xxh3-64 of one block's bytes."""
-    return xxhash.xxh3_64_intdigest(block)
+#: xxh3-64 of one block's bytes (:func:`engine_worker.block_checksum.block_checksum`).
+checksum = block_checksum
+
+
+def check_block(header: TransferHeader, i: int, data: memoryview) -> None:
+    """Refuse block ``i`` of a transfer unless ``data`` matches its checksum.
+
+    Raises:
+        TransferError: ``checksum``.
+    """
+    if block_checksum(data) != header.checksums[i]:
+        raise TransferError("checksum", f"block {i} (key {header.keys[i]}) fails its checksum")
 
 
 @dataclass(slots=True)
@@ -191,8 +207,9 @@ def export_pinned(
 
     Runs on the engine thread, between steps: HBM blocks in host memory are pinned and
     sent from where they are (zero-copy), the others (DRAM, SSD, device memory) are
-    copied out now; every block is checksummed now. Serves fewer keys than asked
-    (possibly none) when the pool lacks the rest.
+    copied out now. Checksums are the pool's; a block cached without one is hashed
+    now and the pool remembers it. Serves fewer keys than asked (possibly none) when
+    the pool lacks the rest.
     """
     if len(keys) > MAX_TRANSFER_BLOCKS:
         raise TransferError("count", f"{len(keys)} blocks asked, at most {MAX_TRANSFER_BLOCKS}")
@@ -200,17 +217,22 @@ def export_pinned(
     dtype, shape, size = _geometry(layout, block_size)
     blocks = pool.match_prefix(keys)
     payload: list[memoryview | bytes] = []
+    checksums: list[int] = []
     in_place = []
     for block in blocks:
-        view = None
+        data: memoryview | bytes | None = None
         if storage is not None and block.medium is Medium.HBM:
-            view = storage.block_view(Medium.HBM, block.block_id)
-        if view is not None:
+            data = storage.block_view(Medium.HBM, block.block_id)
+        if data is not None:
             in_place.append(block)
-            payload.append(view)
         else:
             data = b"" if storage is None else storage.read_bytes(block.medium, block.block_id)
-            payload.append(data)
+        payload.append(data)
+        value = block.checksum
+        if value is None:
+            value = block_checksum(data)
+            pool.note_checksum(block, value)
+        checksums.append(value)
     pinned = pool.pin(in_place)
     header = TransferHeader(
         model=model,
@@ -220,7 +242,7 @@ def export_pinned(
         block_bytes=size,
         parent=blocks[0].parent if blocks else None,
         keys=[b.key for b in blocks if b.key is not None],
-        checksums=[checksum(p) for p in payload],
+        checksums=checksums,
     )
     return Outgoing(header, payload, lambda: pool.free(pinned[::-1]))
 
@@ -319,6 +341,32 @@ class SocketReader:
 Landing = Callable[[TransferHeader], Awaitable[Sequence[memoryview]]]
 
 
+async def read_header(reader: _ChunkReader | SocketReader, expected: Expected) -> TransferHeader:
+    """Read and validate the magic, length and header of a transfer (see :func:`read_transfer`).
+
+    Raises:
+        TransferError: As :func:`read_transfer`, for the header.
+    """
+    magic, length = _PREFIX.unpack(await reader.read(_PREFIX.size, "prefix"))
+    if magic != MAGIC:
+        raise TransferError("magic", f"not a KV transfer (magic {magic!r})")
+    if length > MAX_HEADER_BYTES:
+        raise TransferError("header", f"header of {length} bytes > {MAX_HEADER_BYTES}")
+    try:
+        header = _decoder.decode(await reader.read(length, "header"))
+    except msgspec.MsgspecError as exc:
+        raise TransferError("header", f"bad header: {exc}") from exc
+    _check_header(header, expected)
+    return header
+
+
+def fresh_views(header: TransferHeader) -> list[memoryview]:
+    """One new buffer per block of ``header`` (where blocks land by default)."""
+    size = header.block_bytes
+    whole = memoryview(bytearray(size * len(header.keys)))
+    return [whole[i * size : (i + 1) * size] for i in range(len(header.keys))]
+
+
 async def read_transfer(
     source: AsyncIterator[bytes] | SocketReader, expected: Expected, land: Landing | None = None
 ) -> tuple[TransferHeader, Sequence[memoryview]]:
@@ -335,26 +383,11 @@ async def read_transfer(
             ``checksum``.
     """
     reader = source if isinstance(source, SocketReader) else _ChunkReader(source)
-    magic, length = _PREFIX.unpack(await reader.read(_PREFIX.size, "prefix"))
-    if magic != MAGIC:
-        raise TransferError("magic", f"not a KV transfer (magic {magic!r})")
-    if length > MAX_HEADER_BYTES:
-        raise TransferError("header", f"header of {length} bytes > {MAX_HEADER_BYTES}")
-    try:
-        header = _decoder.decode(await reader.read(length, "header"))
-    except msgspec.MsgspecError as exc:
-        raise TransferError("header", f"bad header: {exc}") from exc
-    _check_header(header, expected)
-    if land is not None:
-        views = await land(header)
-    else:
-        whole = memoryview(bytearray(header.block_bytes * len(header.keys)))
-        views = [whole[i * header.block_bytes : (i + 1) * header.block_bytes]
-                 for i in range(len(header.keys))]  # fmt: skip
-    for i, key in enumerate(header.keys):
+    header = await read_header(reader, expected)
+    views = await land(header) if land is not None else fresh_views(header)
+    for i in range(len(header.keys)):
         await reader.read_into(views[i], f"block {i}")
-        if checksum(views[i]) != header.checksums[i]:
-            raise TransferError("checksum", f"block {i} (key {key}) fails its checksum")
+        check_block(header, i, views[i])
     if not await reader.at_end():
         raise TransferError("trailing", "bytes after the last block")
     return header, views
@@ -387,15 +420,17 @@ def _check_header(h: TransferHeader, e: Expected) -> None:
 class Reservation:
     """Room in a receiver's pool for the blocks of one transfer (:func:`reserve_import`).
 
-    ``views[i]`` is where block ``i`` of the transfer is to be received: the memory of a
+    ``views[i]`` is where block ``i`` of the run is to be received: the memory of a
     fresh HBM block when the pool lacks the key (in place when HBM is host memory, else
     a staging buffer), a scratch buffer otherwise (received and checked, then dropped).
-    Nothing is cached until :meth:`commit`; :meth:`abort` gives the fresh blocks back
-    uncached. Both run on the engine thread, once.
+    A receiver that reserves before it asks learns from the header how many of the
+    keys arrive and the parent of the first (:meth:`land`). Nothing is cached until
+    :meth:`commit`; :meth:`abort` gives the fresh blocks back uncached. Both run on the
+    engine thread, once.
     """
 
     def __init__(self, pool: BlockPool, storage: TierStorage | None, parent: int | None,
-                 keys: Sequence[int]) -> None:  # fmt: skip
+                 keys: Sequence[int], checksums: Sequence[int] | None = None) -> None:  # fmt: skip
         todo = []
         held = []
         prev = parent
@@ -408,35 +443,61 @@ class Reservation:
             prev = key
         size = storage.layout.block_bytes if storage is not None else 0
         scratch = memoryview(bytearray(size))
+        self.keys = tuple(keys)
         self.views: list[memoryview] = [scratch] * len(keys)
         # The run's blocks already here stay put while fresh blocks are taken for the rest.
         self._pinned = pool.pin(held)
         self._fresh = pool.allocate(min(len(todo), pool.num_free(Medium.HBM)))
-        self._todo: list[tuple[Block, int, int | None, memoryview | None]] = []
+        self._todo: list[tuple[Block, int, int, int | None, memoryview | None]] = []
         for block, (i, key, block_parent) in zip(self._fresh, todo, strict=False):
             view = storage.block_view(Medium.HBM, block.block_id) if storage is not None else None
             staged = None
             if view is None:
                 view = staged = memoryview(bytearray(size))
             self.views[i] = view
-            self._todo.append((block, key, block_parent, staged))
+            self._todo.append((block, i, key, block_parent, staged))
         self._pool = pool
         self._storage = storage
+        self._parent = parent
+        self._arriving = len(keys)
+        self._checksums: Sequence[int] = checksums or ()
         self._done = False
+
+    def land(self, header: TransferHeader) -> list[memoryview]:
+        """Where the blocks of ``header`` go; they are the leading keys of the reservation
+        (the rest stays uncached), the first a child of ``header.parent``, and their
+        checksums, verified as they land, are cached with them.
+
+        Raises:
+            TransferError: ``keys``: the header's keys do not lead the reserved ones.
+        """
+        n = len(header.keys)
+        if tuple(header.keys) != self.keys[:n]:
+            raise TransferError("keys", "the blocks served are not the ones reserved, in order")
+        self._parent, self._arriving, self._checksums = header.parent, n, header.checksums
+        return self.views[:n]
 
     def commit(self) -> int:
         """Cache the received blocks (``stored`` events) and release them; how many."""
         if self._done:
             return 0
         self._done = True
+        cached = 0
         try:
-            for block, key, parent, staged in self._todo:
+            for block, i, key, parent, staged in self._todo:
+                if i >= self._arriving:
+                    break
                 if staged is not None and self._storage is not None:
                     self._storage.write_bytes(Medium.HBM, block.block_id, staged)
-                self._pool.cache_block(block, key, parent)
+                if i == 0:
+                    parent = self._parent
+                sums = self._checksums
+                value = sums[i] if i < len(sums) else None
+                self._pool.cache_block(block, key, parent, checksum=value)
+                cached += 1
         finally:
             self._release()
-        return len(self._fresh)
+        return cached
 
     def abort(self) -> None:
         """Give the fresh blocks back uncached (their bytes are never used)."""
@@ -450,11 +511,20 @@ class Reservation:
 
 
 def reserve_import(
-    pool: BlockPool, storage: TierStorage | None, parent: int | None, keys: Sequence[int]
+    pool: BlockPool,
+    storage: TierStorage | None,
+    parent: int | None,
+    keys: Sequence[int],
+    checksums: Sequence[int] | None = None,
 ) -> Reservation:
     """Fresh HBM blocks for the keys of ``keys`` the pool lacks, in order, as many as fit
-    now without evicting the run's blocks already in HBM (engine thread)."""
-    return Reservation(pool, storage, parent, keys)
+    now without evicting the run's blocks already in HBM (engine thread).
+
+    ``parent`` is the parent of the first key; None when unknown yet (the header of
+    the transfer names it: :meth:`Reservation.land`). ``checksums``, verified ones, are
+    cached with the blocks (without them, or a header's, the storage computes them).
+    """
+    return Reservation(pool, storage, parent, keys, checksums)
 
 
 def import_blocks(
@@ -463,6 +533,7 @@ def import_blocks(
     parent: int | None,
     keys: Sequence[int],
     blocks: Sequence[bytes | memoryview],
+    checksums: Sequence[int] | None = None,
 ) -> int:
     """Cache transferred blocks in HBM as if computed here; returns how many were added.
 
@@ -470,9 +541,10 @@ def import_blocks(
     are skipped; the rest get fresh HBM blocks (evicting as an allocation does),
     their bytes, and their keys (``stored`` events), then go to the free queue
     as cached blocks. Imports only what fits in HBM now, in order, without evicting
-    the run's blocks already in HBM.
+    the run's blocks already in HBM. ``checksums`` (verified ones: a transfer's) are
+    cached with the blocks; without them the storage computes them.
     """
-    reservation = reserve_import(pool, storage, parent, keys)
+    reservation = reserve_import(pool, storage, parent, keys, checksums)
     try:
         for view, data in zip(reservation.views, blocks, strict=True):
             if len(view):

@@ -40,6 +40,7 @@ from types import TracebackType
 
 import torch
 
+from engine_worker.block_checksum import block_checksum
 from engine_worker.block_pool import PoolError, TierCapacity
 from engine_worker.kv_layout import KVLayout
 from engine_worker.ssd_tier import SSDEntry, SSDTier
@@ -97,6 +98,12 @@ class TierStorage:
             (capacity.dram, *shape), dtype=self.dtype, device=dram_device, pin_memory=pin
         )
         self._staging = torch.empty(layout.block_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Each host-memory tensor's bytes, once: a block's view is then a slice (a KV
+        # transfer takes one per block it sends or receives, on the engine thread).
+        self._host_bytes = {
+            m: _as_bytes(t) if t.device.type == "cpu" else None
+            for m, t in ((Medium.HBM, self.hbm), (Medium.DRAM, self.dram))
+        }
         self._ssd = SSDTier(ssd_path, layout, capacity.ssd) if ssd_path and capacity.ssd else None
         self._stats: dict[tuple[Medium, Medium], TransferStat] = {}
 
@@ -186,19 +193,27 @@ class TierStorage:
             out = bytearray(self.layout.block_bytes)
             self._ssd_tier().read_into(block_id, memoryview(out))
             return bytes(out)
-        block = self._tensor(medium)[block_id]
-        if block.device.type != "cpu":
-            block = block.to("cpu")
-        return bytes(_as_bytes(block))
+        view = self.block_view(medium, block_id)
+        if view is not None:
+            return bytes(view)
+        return bytes(_as_bytes(self._tensor(medium)[block_id].to("cpu")))
 
     def block_view(self, medium: Medium, block_id: int) -> memoryview | None:
         """The bytes of one block in place (zero-copy, writable) when it lives in host
         memory; None for the SSD tier and device tensors (use :meth:`read_bytes`)."""
         self._check(medium, block_id)
-        if medium is Medium.SSD:
+        data = self._host_bytes.get(medium)
+        if data is None:
             return None
-        block = self._tensor(medium)[block_id]
-        return _as_bytes(block) if block.device.type == "cpu" else None
+        size = self.layout.block_bytes
+        return data[block_id * size : (block_id + 1) * size]
+
+    def checksum(self, medium: Medium, block_id: int) -> int | None:
+        """The checksum of one block's bytes (:mod:`engine_worker.block_checksum`) when
+        they are in host memory; None for the SSD tier and device tensors, which a
+        sender stages anyway (the pool then learns it from the sender)."""
+        view = self.block_view(medium, block_id)
+        return block_checksum(view) if view is not None else None
 
     def write_bytes(self, medium: Medium, block_id: int, data: bytes | memoryview) -> None:
         """Overwrite one block with raw bytes (``layout.block_bytes`` of them)."""

@@ -310,3 +310,175 @@ async def test_the_data_socket_serves_transfers_and_refuses_bad_tokens_and_reque
     with pytest.raises(TransferError) as gone:
         await fetch_blocks("127.0.0.1", port, "secret", KEYS, None, EXPECTED, 2.0)
     assert gone.value.reason == "http"
+
+
+async def test_blocks_go_with_the_pools_checksums_so_bytes_changed_at_rest_are_refused() -> None:
+    storage, pool = storage_and_pool(hbm=8, dram=0)
+    fill(pool, storage, KEYS)
+    blocks = pool.match_prefix(KEYS)
+    kept = [b.checksum for b in blocks]
+    assert kept == [checksum(storage.read_bytes(Medium.HBM, b.block_id)) for b in blocks]
+    # The sender hashes nothing: it sends what the pool took when the blocks were cached...
+    out = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
+    assert out.header.checksums == kept
+    out.close()
+    # ... so bytes that changed under a cached key (a fault) are sent with the checksum
+    # of what was cached, and the receiver refuses them; nothing enters its pool.
+    storage.write_block(Medium.HBM, blocks[3].block_id, torch.zeros(LAYOUT.block_shape,
+                                                                  dtype=storage.dtype))  # fmt: skip
+    header, payload = export_blocks(pool, storage, "m", LAYOUT.block_size, KEYS)
+    to_storage, to_pool = storage_and_pool(hbm=8, dram=0)
+    reservation = reserve_import(to_pool, to_storage, None, KEYS)
+
+    async def land(h: TransferHeader) -> Sequence[memoryview]:
+        return reservation.land(h)
+
+    with pytest.raises(TransferError) as caught:
+        await read_transfer(chunks_of(wire(header, payload)), EXPECTED, land)
+    assert caught.value.reason == "checksum"
+    assert "block 3" in str(caught.value)
+    reservation.abort()
+    assert to_pool.match_prefix(KEYS) == []
+    assert to_pool.num_free(Medium.HBM) == 8
+    to_pool.verify()
+
+
+def test_a_block_cached_without_a_checksum_is_hashed_once_when_first_sent(
+    tmp_path: Path,
+) -> None:
+    capacity = TierCapacity(hbm=2, dram=0, ssd=8)
+    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(capacity, storage)
+        for i in range(len(KEYS)):  # one at a time: each pushes the one before to SSD
+            fill(pool, storage, KEYS[i : i + 1], seed=i, parent=KEYS[i - 1] if i else ROOT)
+        sums = [b.checksum for b in pool.match_prefix(KEYS)]
+    # After a restart, the SSD journal knows keys, not checksums.
+    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(capacity, storage)
+        restored = pool.match_prefix(KEYS)
+        ssd = [i for i, b in enumerate(restored) if b.medium is Medium.SSD]
+        assert ssd
+        assert all(restored[i].checksum is None for i in ssd)
+        header, payload = export_blocks(pool, storage, "m", LAYOUT.block_size, KEYS)
+        assert header.checksums == [checksum(p) for p in payload]
+        assert [header.checksums[i] for i in ssd] == [sums[i] for i in ssd]
+        assert [b.checksum for b in pool.match_prefix(KEYS)] == header.checksums
+        pool.verify()
+
+
+async def test_blocks_reserved_before_asking_keep_only_what_the_source_serves() -> None:
+    storage, pool = storage_and_pool()
+    fill(pool, storage, KEYS[:4])
+
+    async def export(keys: Sequence[int], release: str | None) -> Outgoing:
+        return export_pinned(pool, storage, "m", LAYOUT.block_size, keys)
+
+    server = KvSocketServer(export, None, "127.0.0.1")
+    await server.start()
+    try:
+        to_storage, to_pool = storage_and_pool(hbm=8, dram=0)
+        fill(to_pool, to_storage, KEYS[1:2], seed=5, parent=KEYS[0])  # held already
+        reservation = reserve_import(to_pool, to_storage, None, KEYS)  # parent: unknown yet
+        assert to_pool.num_free(Medium.HBM) == 8 - 6  # 5 fresh + the held one pinned
+
+        async def land(h: TransferHeader) -> Sequence[memoryview]:
+            return reservation.land(h)
+
+        header, _, _ = await fetch_blocks(
+            "127.0.0.1", server.port, None, KEYS, None, EXPECTED, 10.0, land
+        )
+        assert header.keys == KEYS[:4]
+        assert reservation.commit() == 3  # keys 0, 2, 3; key 1 was there
+        stored = [e for e in to_pool.take_events() if isinstance(e, BlockStored)]
+        assert [(e.keys[0], e.parent) for e in stored][-3:] == [
+            (KEYS[0], ROOT), (KEYS[2], KEYS[1]), (KEYS[3], KEYS[2])
+        ]  # fmt: skip
+        moved = to_pool.match_prefix(KEYS)
+        assert len(moved) == 4
+        # The checksums verified on arrival are the ones the receiver keeps.
+        for i in (0, 2, 3):
+            data = to_storage.read_bytes(Medium.HBM, moved[i].block_id)
+            assert moved[i].checksum == header.checksums[i] == checksum(data)
+        # The blocks reserved for keys 4 and 5, which never came, are free and uncached.
+        assert to_pool.num_free(Medium.HBM) == 8
+        to_pool.verify()
+    finally:
+        await server.stop()
+
+
+async def test_a_stalled_source_is_cut_off_at_the_deadline_and_leaves_nothing_behind() -> None:
+    header, blocks = source()
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frame = await reader.readexactly(8)
+        await reader.readexactly(int.from_bytes(frame[4:], "big"))
+        writer.write(encode_transfer(header) + blocks[0] + blocks[1][:10])
+        await writer.drain()
+        await release.wait()  # and never sends the rest
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    storage, pool = storage_and_pool(hbm=8, dram=0)
+    reservation = reserve_import(pool, storage, None, KEYS)
+
+    async def land(h: TransferHeader) -> Sequence[memoryview]:
+        return reservation.land(h)
+
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TransferError) as caught:
+            await fetch_blocks("127.0.0.1", port, None, KEYS, None, EXPECTED, 0.5, land)
+        assert caught.value.reason == "http"
+        # The receiving thread is done once the call returns: giving the blocks back is safe.
+        assert asyncio.get_running_loop().time() - started < 5.0
+        reservation.abort()
+        assert pool.match_prefix(KEYS) == []
+        assert pool.num_free(Medium.HBM) == 8
+        pool.verify()
+    finally:
+        release.set()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_receiver_that_stops_reading_is_cut_off_and_the_blocks_unpinned() -> None:
+    big = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16)  # 1 MiB blocks
+    capacity = TierCapacity(hbm=40)
+    storage = TierStorage(big, capacity)
+    pool = BlockPool(capacity, storage)
+    keys = block_keys(list(range(32 * 16)), 16, ROOT)
+    blocks = pool.allocate(len(keys))
+    parent = ROOT
+    for block, key in zip(blocks, keys, strict=True):
+        pool.cache_block(block, key, parent)
+        parent = key
+    pool.free(blocks[::-1])
+    closed = asyncio.Event()
+
+    async def export(asked: Sequence[int], release: str | None) -> Outgoing:
+        out = export_pinned(pool, storage, "m", 16, asked)
+        unpin = out.on_close
+
+        def close() -> None:
+            unpin()
+            closed.set()
+
+        out.on_close = close
+        return out
+
+    server = KvSocketServer(export, None, "127.0.0.1", send_timeout_s=0.5)
+    await server.start()
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = msgspec.msgpack.encode({"keys": keys})
+        writer.write(b"KVQ1" + len(body).to_bytes(4, "big") + body)
+        await writer.drain()
+        # 32 MiB cannot all fit in the socket buffers of a receiver that reads nothing.
+        await asyncio.wait_for(closed.wait(), 10.0)
+        assert pool.num_free(Medium.HBM) == 40
+        pool.verify()
+        writer.close()
+    finally:
+        await server.stop()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_worker.block_checksum import block_checksum
 from engine_worker.block_pool import BlockPool, PoolError, TierCapacity
 from engine_worker.kv_layout import KVLayout
 from engine_worker.ssd_tier import (
@@ -129,6 +130,93 @@ def test_bytes_survive_demotion_to_ssd_promotion_and_restart(
     assert set(pool.snapshot()[SSD]) == set(snapshot[SSD])
     (restored,) = pool.acquire(pool.match_prefix([k1]))
     assert same_bytes(storage.read_block(HBM, restored.block_id), original)
+    pool.verify()
+
+
+def block_bytes(seed: int) -> bytes:
+    """The bytes :func:`compute` writes into a block with ``seed``."""
+    return random_block(LAYOUT, seed).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def checksums_by_key(pool: BlockPool, storage: TierStorage) -> dict[int, int | None]:
+    """Each cached key's remembered checksum, after checking it against the bytes."""
+    out: dict[int, int | None] = {}
+    for medium, keys in pool.snapshot().items():
+        for key in keys:
+            (block,) = pool.match_prefix([key])
+            assert block.medium is medium
+            if block.checksum is not None:
+                assert block.checksum == block_checksum(storage.read_bytes(medium, block.block_id))
+            out[key] = block.checksum
+    pool.verify()  # among others: no block without a key keeps a checksum
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_blocks_checksum_follows_its_bytes_and_goes_with_its_key(
+    device: str, ssd_dir: Path, opened: list[TierStorage]
+) -> None:
+    """What a KV transfer sends as a block's checksum is never stale: taken when the
+    block is cached (host memory), carried by every exact copy between tiers, dropped
+    when the key is, recomputed when the slot is reused for other bytes."""
+    cap = TierCapacity(hbm=1, dram=1, ssd=1)
+    pool, storage = open_pool(opened, ssd_dir, cap, device=device)
+    (k1,) = compute(pool, storage, [1], seed=10)
+    first = block_checksum(block_bytes(10))
+    sums = checksums_by_key(pool, storage)
+    # Known at once in host memory; a device tensor's is left to the sender, which stages it.
+    assert sums == {k1: first if device == "cpu" else None}
+
+    compute(pool, storage, [2], seed=20)  # k1 -> DRAM
+    compute(pool, storage, [3], seed=30)  # k1 -> SSD, 2 -> DRAM
+    (on_ssd,) = pool.match_prefix([k1])
+    assert on_ssd.medium is SSD
+    assert checksums_by_key(pool, storage)[k1] == sums[k1]
+    (promoted,) = pool.acquire([on_ssd])  # 3 -> DRAM, 2 -> SSD
+    assert promoted.medium is HBM
+    assert promoted.checksum == sums[k1]
+    assert on_ssd.checksum is None  # the SSD slot lost the key, and the checksum with it
+    pool.free([promoted])
+    checksums_by_key(pool, storage)
+
+    # k1's HBM slot and then its DRAM and SSD slots are reused for other keys and bytes:
+    # each now names the new bytes, and k1, dropped, names nothing.
+    for token, seed in ((4, 40), (5, 50), (6, 60)):
+        compute(pool, storage, [token], seed=seed)
+    after = checksums_by_key(pool, storage)
+    assert k1 not in after
+    if device == "cpu":
+        assert all(v is not None for v in after.values())
+        assert sums[k1] not in after.values()
+
+    assert pool.clear_cache()
+    checksums_by_key(pool, storage)
+    (k7,) = compute(pool, storage, [7], seed=70)
+    assert checksums_by_key(pool, storage) == {
+        k7: block_checksum(block_bytes(70)) if device == "cpu" else None
+    }
+
+
+def test_a_checksum_noted_by_a_reader_is_kept_and_checked(
+    ssd_dir: Path, opened: list[TierStorage]
+) -> None:
+    cap = TierCapacity(hbm=2)
+    pool, storage = open_pool(opened, ssd_dir, cap)
+    (k1,) = compute(pool, storage, [1], seed=10)
+    (block,) = pool.match_prefix([k1])
+    pool.note_checksum(block, 12345)
+    assert block.checksum == 12345
+    with pytest.raises(PoolError, match="unsigned 64-bit"):
+        pool.note_checksum(block, -1)
+    (empty,) = pool.allocate(1)
+    with pytest.raises(PoolError, match="not a cached block"):
+        pool.note_checksum(empty, 1)
+    with pytest.raises(PoolError, match="unsigned 64-bit"):
+        pool.cache_block(empty, 99, k1, checksum=2**64)
+    assert empty.key is None
+    pool.cache_block(empty, 99, k1, checksum=7)  # a verified checksum is taken as given
+    assert empty.checksum == 7
+    pool.free([empty])
     pool.verify()
 
 
