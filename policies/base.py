@@ -58,7 +58,9 @@ class Decision:
             the policy documents in ``lower_is_better``.
         predicted_ttft_s: The predicted time to first token on ``worker``, when
             the policy predicts one.
-        matched_blocks: Blocks of the prompt the chosen worker already holds.
+        matched_blocks: Blocks of the prompt the chosen worker holds, counting those it
+            pulls from ``kv_source`` first: the gateway asks it to pull that many
+            leading blocks, and counts only the rest as prefill work.
         prefill_worker: Under PD, the host that prefills; None otherwise.
         kv_source: A peer to pull cached blocks from, if any.
         lower_is_better: Whether ``scores[h]["total"]`` is minimized.

@@ -105,12 +105,11 @@ class MooncakeConductorPolicy:
             }
         chosen = min(hosts, key=lambda h: (scores[h]["total"], views[h].in_flight, h))
         pulled = scores[chosen]["pull"] > 0
-        match = matches.get(chosen)
         return Decision(
             worker=chosen,
             policy=self.name,
             scores=scores,
             predicted_ttft_s=scores[chosen]["total"],
-            matched_blocks=match.blocks if match is not None else 0,
+            matched_blocks=best if pulled else local[chosen],
             kv_source=holder if pulled else None,
         )

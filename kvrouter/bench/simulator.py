@@ -450,7 +450,8 @@ class _Cluster:
         source = self.by_host.get(pooled or "")
         if source is not None and source is not w:
             have = len(w.pool.match_prefix(keys))
-            held = len(source.pool.match_prefix(keys))
+            # The blocks the policy priced, as the gateway asks for (no more than it holds).
+            held = min(len(source.pool.match_prefix(keys)), decision.matched_blocks)
             if held > have:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.

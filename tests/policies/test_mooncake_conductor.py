@@ -41,6 +41,8 @@ def test_pulls_the_hot_prefix_to_an_idle_instance_past_the_threshold() -> None:
 
     assert decision.worker == min(expected, key=expected.__getitem__) == "partial"
     assert decision.kv_source == "holder"
+    # The blocks it will hold once the pull lands: the run a router asks it to pull.
+    assert decision.matched_blocks == 256
     assert {h: decision.scores[h]["total"] for h in expected} == pytest.approx(expected)
     assert decision.predicted_ttft_s == pytest.approx(expected["partial"])
 
