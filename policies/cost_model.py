@@ -25,6 +25,7 @@ from indexer.views import PrefixMatch, WorkerView
 __all__ = [
     "DEFAULT_TRANSFER_BANDWIDTH",
     "decode_batch",
+    "hbm_room_blocks",
     "load_seconds",
     "memory_wait_seconds",
     "prefill_seconds",
@@ -115,6 +116,24 @@ def queue_seconds(
     return total
 
 
+def hbm_room_blocks(view: WorkerView, block_size: int, mean_output_tokens: float) -> float | None:
+    """HBM blocks a new request can have on ``view`` without displacing admitted work.
+
+    HBM less the blocks running requests hold (``kv_active_blocks``), the queued
+    prefill's blocks and the output still to come of every admitted or queued request
+    (half the mean output each). Cached free blocks count as room: allocations evict
+    them. Negative when the admitted work alone overflows HBM; None when the view does
+    not publish its active blocks.
+    """
+    capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
+    active = view.kv_active_blocks
+    if capacity <= 0 or (active <= 0 and view.running > 0):
+        return None
+    queued = -(-view.queued_prefill_tokens // block_size)
+    growth = (view.running + view.waiting) * mean_output_tokens / 2 / block_size
+    return capacity - active - queued - growth
+
+
 def memory_wait_seconds(
     view: WorkerView,
     profile: TimingProfile,
@@ -135,16 +154,15 @@ def memory_wait_seconds(
     freeing ``held / running`` blocks each, plus the wasted partial prefill. Returns 0.0
     when the view does not publish its active blocks.
     """
-    capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
-    active = view.kv_active_blocks
-    if capacity <= 0 or (active <= 0 and view.running > 0):
+    free = hbm_room_blocks(view, block_size, mean_output_tokens)
+    if free is None:
         return 0.0
-    queued = -(-view.queued_prefill_tokens // block_size)
-    growth = (view.running + view.waiting) * mean_output_tokens / 2 / block_size
-    free = capacity - active - queued - growth
     excess = -(-new_tokens // block_size) - free
     if excess <= 0:
         return 0.0
+    capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
+    active = view.kv_active_blocks
+    queued = -(-view.queued_prefill_tokens // block_size)
     running = max(view.running, 1)
     held = max(active, min(capacity, active + queued))
     turnover = mean_output_tokens * profile.decode_seconds(running, view.running_kv_tokens)

@@ -85,6 +85,7 @@ from policies.arrivals import RouteRates
 from policies.base import Decision, NoWorkerError, RouteRequest
 from policies.cost_model import (
     decode_batch,
+    hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
     prefill_seconds,
@@ -205,11 +206,17 @@ class KvTtftPolicy:
             spec_tokens, spec_requests = (
                 self.speculation.pending(view, now) if self.speculative_load else (0, 0)
             )
+            output = view.mean_output_tokens or request.max_tokens or self.mean_output_tokens
             pulled = 0
             if self.pooling:
                 source, source_blocks = self._peer(view.host, keys, matches)
                 if source_blocks > matched:
                     pulled = source_blocks - matched
+                    # Pulled blocks land as cached blocks: those beyond the room admitted
+                    # work leaves in HBM do not fit, or are evicted before this runs.
+                    room = hbm_room_blocks(view, request.block_size, output)
+                    if room is not None:
+                        pulled = min(pulled, max(int(room), 0))
             batch, kv = decode_batch(view, self.mean_decode_context)
             queue = queue_seconds(
                 profile,
@@ -218,7 +225,6 @@ class KvTtftPolicy:
                 kv,
                 view.queued_prefill_context,
             )
-            output = view.mean_output_tokens or request.max_tokens or self.mean_output_tokens
             memory = memory_wait_seconds(view, profile, new, request.block_size, output)
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
@@ -287,9 +293,9 @@ class KvTtftPolicy:
             # followed this one there before then would recompute them, so they are not
             # speculated; the next request sees the peer's copy and prices its own pull.
             self._landing.setdefault(best, []).append(now + scores[best]["pull_s"])
-            self.speculation.record(best, keys[:matched], new, now)
+            self.speculation.record(best, keys[:matched], new, now, scores[best]["ttft_s"])
         else:
-            self.speculation.record(best, keys, new, now)
+            self.speculation.record(best, keys, new, now, scores[best]["ttft_s"])
         self.routed.record(best, now)
         # How much this request is bound to its worker: the share of its prompt only that
         # worker held, and the compute per second the choice saved against the next best.

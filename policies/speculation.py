@@ -7,8 +7,12 @@ system prompt sees the same stale picture for each of them: the prefix
 cached nowhere and the queues empty. This state closes that gap:
 
 * speculative prefix entries: after routing a request to ``w``, treat ``w`` as
-  holding that request's block keys on HBM for ``ttl_s`` seconds, the time the
-  worker's events take to reach the index;
+  holding that request's block keys on HBM until its blocks can be in the index:
+  the time the request waits and prefills there (``pending_s``, the policy's
+  prediction) plus ``ttl_s``, the time the worker's events take to reach the
+  index. Without ``pending_s`` a request queued longer than ``ttl_s`` vanished
+  from the picture before its blocks existed, and the next turn of its
+  conversation, arriving meanwhile, recomputed the whole history elsewhere;
 * speculative load: add the request's uncached prompt tokens (and one request)
   to ``w``'s queue until ``ttl_s`` passes or a view of ``w`` taken after the
   routing (``view.ts >= routed_at + catchup_s``) already counts it.
@@ -21,6 +25,8 @@ nothing here reads a clock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -70,14 +76,16 @@ class Speculation:
         self.ttl_s = ttl_s
         self.catchup_s = catchup_s
         self._keys: dict[str, dict[int, float]] = {}
-        self._expiry: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        # A heap: entries last different times (their requests' predicted waits).
+        self._expiry: list[tuple[float, int, str, tuple[int, ...]]] = []
+        self._seq = itertools.count()
         self._pending: dict[str, _Backlog] = {}
         self._latest = -math.inf
 
     def expire(self, now: float) -> None:
-        """Drop entries whose TTL has passed; amortized O(dropped keys + hosts).
+        """Drop entries whose time has passed; amortized O(dropped keys + hosts).
 
-        Entries are kept in routing order and dropped from the old end, which
+        Speculative load is kept in routing order and dropped from the old end, which
         assumes ``now`` does not go backwards; if it does, younger entries may
         outlive their TTL until the older ones ahead of them expire.
         """
@@ -86,7 +94,7 @@ class Speculation:
             if not backlog.entries:
                 del self._pending[host]
         while self._expiry and self._expiry[0][0] <= now:
-            expires, host, keys = self._expiry.popleft()
+            expires, _, host, keys = heapq.heappop(self._expiry)
             held = self._keys.get(host)
             if held is None:
                 continue
@@ -96,18 +104,30 @@ class Speculation:
             if not held:
                 del self._keys[host]
 
-    def record(self, host: str, keys: Sequence[int], new_tokens: int, now: float) -> None:
-        """Remember that a request with ``keys`` and ``new_tokens`` to prefill went to ``host``."""
+    def record(
+        self,
+        host: str,
+        keys: Sequence[int],
+        new_tokens: int,
+        now: float,
+        pending_s: float = 0.0,
+    ) -> None:
+        """Remember that a request with ``keys`` and ``new_tokens`` to prefill went to ``host``.
+
+        ``pending_s``: how long until its blocks are computed there (its predicted TTFT);
+        its keys are held that much longer than ``ttl_s``.
+        """
         expires = now + self.ttl_s
         if keys:
+            held_until = expires + max(pending_s, 0.0)
             held = self._keys.setdefault(host, {})
-            if expires >= self._latest:
-                held.update(dict.fromkeys(keys, expires))
+            if held_until >= self._latest:
+                held.update(dict.fromkeys(keys, held_until))
             else:
                 for key in keys:
-                    held[key] = max(held.get(key, expires), expires)
-            self._latest = max(self._latest, expires)
-            self._expiry.append((expires, host, tuple(keys)))
+                    held[key] = max(held.get(key, held_until), held_until)
+            self._latest = max(self._latest, held_until)
+            heapq.heappush(self._expiry, (held_until, next(self._seq), host, tuple(keys)))
         backlog = self._pending.setdefault(host, _Backlog())
         backlog.entries.append(_Pending(new_tokens, now, expires))
         backlog.tokens += new_tokens

@@ -406,3 +406,53 @@ def test_a_request_that_follows_a_pull_prices_its_own_pull_not_the_blocks_in_fli
     assert local.choose(request(prompt), workers, {}).worker == "a"
     again = local.choose(request(prompt, now=0.01), workers, {})
     assert (again.worker, again.kv_source, again.matched_blocks) == ("a", None, held + 16)
+
+
+def test_a_pull_is_sized_to_the_hbm_room_its_blocks_would_survive_in() -> None:
+    # The idle peer "a" has 10,000 HBM blocks, 9,500 held by 4 running requests that
+    # will still grow by half their mean output (4 x 128 tokens: 32 blocks): the pulled
+    # blocks land as cached blocks, and only the 468 that fit stay until the request
+    # runs (a pull imports what fits; the rest are never used). Pricing the whole 16K
+    # tokens made "a" look 1 s faster than it was: the agent trace's steps recomputed
+    # their context there after paying for a pull.
+    prompt = tokens(16_384 + 256, seed=37)
+    held = 16_384 // BLOCK
+    matches = {"holder": match("holder", hbm=held)}
+    full = [view("holder", queued=40_000), view("a", running=4, active=9_500)]
+    decision = KvTtftPolicy(pooling=True).choose(request(prompt), full, matches)
+    room = 10_000 - 9_500 - 4 * 256 // 2 // BLOCK
+    assert decision.scores["a"]["pulled_blocks"] == room
+    assert decision.scores["a"]["cached_tokens"] == room * BLOCK
+    # With room the whole prefix is priced, as before.
+    roomy = [view("holder", queued=40_000), view("a", running=4, active=1_000)]
+    decision = KvTtftPolicy(pooling=True).choose(request(prompt), roomy, matches)
+    assert decision.scores["a"]["pulled_blocks"] == held
+    # HBM overcommitted by admitted work: nothing to pull into.
+    over = [view("holder", queued=40_000), view("a", running=4, active=9_990, queued=8_000)]
+    decision = KvTtftPolicy(pooling=True).choose(request(prompt), over, matches)
+    assert decision.scores["a"]["pulled_blocks"] == 0
+    assert decision.kv_source is None
+
+
+def test_a_turn_routed_behind_a_long_queue_stays_visible_until_its_blocks_exist() -> None:
+    # The first turn waits ~3 s behind 120K queued tokens on "w"; its blocks reach the
+    # index only after that. Its follow-up arrives 2.5 s later, past the 2 s TTL: it must
+    # still see the history on "w" (and queue behind it for a full hit) instead of
+    # recomputing 24K tokens on the idle "x".
+    history = tokens(24_576, seed=38)
+    follow = history + tokens(256, seed=39)
+    policy = KvTtftPolicy(speculative_ttl_s=2.0)
+    busy = [view("w", queued=120_000), view("x", queued=180_000)]
+    first = policy.choose(request(history), busy, {})
+    assert first.worker == "w"
+    assert first.predicted_ttft_s is not None
+    assert first.predicted_ttft_s > 2.5
+    later = [view("w", queued=30_000, ts=2.5), view("x", ts=2.5)]
+    decision = policy.choose(request(follow, now=2.5), later, {})
+    assert decision.scores["w"]["cached_tokens"] == len(history)
+    assert decision.worker == "w"
+    # Once the prediction and the TTL have both passed, the entries are gone.
+    assert decision.predicted_ttft_s is not None
+    end = max(first.predicted_ttft_s, 2.5 + decision.predicted_ttft_s) + 2.0
+    gone = policy.choose(request(follow, now=end + 0.01), later, {})
+    assert gone.scores["w"]["cached_tokens"] == 0
