@@ -1,39 +1,64 @@
-"""Prompt text -> token ids for the gateway, tokenizing only what a cache does not hold.
+r"""Prompt text -> token ids for the gateway, tokenizing only what a cache does not hold.
 
-Multi-turn chat re-sends the whole history each turn; the gateway keeps the
-token ids of a rendered prefix (LRU, bounded in bytes, keyed by an xxh3-128
-hash of the prefix text) so that a follow-up turn tokenizes only its new text.
+Multi-turn chat re-sends the whole history each turn, and long-document prompts often
+share a long prefix with an earlier one; the gateway keeps the token ids of prompt
+prefixes (LRU, bounded in bytes, keyed by an xxh3-128 hash of the prefix text) so that
+a follow-up tokenizes only its new text.
 
-Where a prompt may be cut. The ``tokenizers`` pipeline first splits the text
-at *added tokens* (``<|im_start|>``...; Aho-Corasick, leftmost-longest), then
-normalizes, pre-tokenizes and runs the model on each piece on its own. So
-``encode(T) == encode(T[:p]) + encode(T[p:])`` when ``p`` is a boundary of
-that split in ``T`` and in both halves, which holds when
+Where a prompt may be cut. ``p`` is a *cut* of ``T`` when
+``encode(T) == encode(T[:p]) + encode(T[p:])``. The ``tokenizers`` pipeline first
+splits the text at *added tokens* (``<|im_start|>``...; Aho-Corasick, leftmost-longest),
+then normalizes and pre-tokenizes each piece on its own, and runs the model on each
+pre-token on its own. So ``p`` is a cut when it is a boundary of both splits in ``T``
+and in both halves. That needs a pipeline whose pieces are independent: no normalizer,
+pre-tokenizers that work per piece (byte-level without an added prefix space, digits,
+regex splits, whitespace, punctuation), added tokens that strip nothing around them, no
+truncation or padding, and no post-processor (or ``add_special_tokens=False``, chat's
+case). Two kinds of position are cuts:
 
-1. an added token starts at ``p``, and
-2. no occurrence of any added token straddles ``p`` (starts before, ends after),
+* *Added-token cuts* (:func:`prefix_cache_support`): an added token starts at ``p`` and
+  no occurrence of any added token straddles ``p`` (starts before, ends after). Every
+  match the scan makes before ``p`` then ends by ``p`` (so the scan of ``T[:p]`` makes
+  the same ones), and the scan reaches ``p`` and matches there, as that of ``T[p:]``.
+* *Plain-text cuts* (:func:`plain_cut_support`), for a BPE whose pre-tokenizer is
+  GPT-2's byte-level regex, after a digits split or not::
 
-because every match the scan makes before ``p`` then ends by ``p`` (so the
-scan of ``T[:p]`` makes the same ones), and the scan reaches ``p`` and matches
-there, as the scan of ``T[p:]`` does. That needs a pipeline whose pieces are
-independent: no normalizer, pre-tokenizers that work per piece (byte-level
-without an added prefix space, digits, regex splits, whitespace, punctuation),
-added tokens that strip nothing around them, no truncation or padding, and no
-post-processor (or ``add_special_tokens=False``, chat's case).
-:func:`prefix_cache_support` checks this once per tokenizer; one that does not
-qualify tokenizes every prompt whole. A cached entry ``hash(T[:p]) -> ids`` is
-stored only for such a cut, so a hit returns exactly ``encode(T[:p])``.
+      's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 
-Cuts inside plain text (no added token) are not provably stable (BPE merges
-and regex look-ahead cross them), so a plain prompt without added tokens is
-tokenized whole.
+  ``T[p]`` is a space, ``T[p + 1]`` a letter (``str.isalpha``), and no added token
+  starts at ``p + 1`` (none may hold a space, so none covers ``p``). The digits split
+  cuts only next to a digit, so ``p`` and ``p + 1`` lie in one piece. There a match
+  takes a space only as its first character or within a whitespace run; a run reaching
+  ``p`` meets the letter and ``\s+(?!\S)`` backs off to end at ``p``, and any other
+  match stops at the space: so a match ends at ``p`` and the next one (space, letters)
+  starts there. Every match begun before ``p`` ends there in ``T[:p]`` too: the end of
+  the text, like the space, is no letter, digit or other character, and passes the
+  look-ahead ``(?!\S)``. The regex looks nothing behind, so ``T[p:]`` splits as ``T``
+  does from ``p``. A space before a digit is no cut: after whitespace, the
+  digits split would end the piece at the space, and the run would swallow it.
+
+What the cache keeps. A prompt's *cached cuts* are its added-token cuts and the first
+plain-text cut at or after each multiple of :data:`PLAIN_CUT_CHARS`. The cached cuts of
+``T`` below a cut ``p`` are those of ``T[:p]``, so prompts that share a prefix find the
+same entries in it. Each entry holds the ids of one segment, since the cut before::
+
+    T        |  segment 0   |  segment 1   |  segment 2   |  tail  |
+             0              c1             c2             c3       len(T)
+    entries  hash(T[:c1]) -> encode(T[0:c1])
+             hash(T[:c2]) -> encode(T[c1:c2])
+             hash(T[:c3]) -> encode(T[c2:c3])
+
+A lookup takes the longest run of entries present from the start and tokenizes the
+rest, segment by segment; the chain is then stored again head last, so the LRU drops a
+chain's tail before the head it depends on. An entry costs 4 bytes per token of its
+own segment (plus :attr:`TokenPrefixCache.OVERHEAD`), not a copy of the whole prefix.
 
 The prompt-token limit. A byte-level token covers at most ``L`` bytes (the
-vocabulary's longest entry), so a text of ``n`` characters has at least
-``n / L`` tokens: beyond ``limit * L`` characters it is refused untokenized
-(weak for SmolLM2, whose ``L`` is 81). Beyond that, the uncached text is
-tokenized in chunks cut as above, and counting stops at the first chunk that
-crosses the limit.
+vocabulary's longest entry), so a text of ``n`` characters has at least ``n / L``
+tokens: beyond ``limit * L`` characters it is refused untokenized (weak for SmolLM2,
+whose ``L`` is 81). Beyond that, the uncached text is tokenized in chunks of about
+:data:`CHUNK_CHARS` ending at cuts, and counting stops at the first chunk that crosses
+the limit.
 """
 
 from __future__ import annotations
@@ -45,20 +70,38 @@ import secrets
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
 from engine_worker.tokenizer import Tokenizer
 
-__all__ = ["PromptTokenizer", "PromptTooLongError", "TokenPrefixCache", "prefix_cache_support"]
+__all__ = [
+    "PLAIN_CUT_CHARS",
+    "PromptTokenizer",
+    "PromptTooLongError",
+    "TokenPrefixCache",
+    "plain_cut_support",
+    "prefix_cache_support",
+]
 
 #: Pre-tokenizers that split each added-token piece on its own, as if alone.
 _PIECEWISE = frozenset({"Digits", "Split", "Whitespace", "WhitespaceSplit", "Punctuation"})
 
-#: Uncached text is tokenized in chunks of about this many characters (at valid cuts),
+#: Uncached text is tokenized in chunks of about this many characters (at cuts),
 #: so that a prompt over the limit stops being counted early.
 CHUNK_CHARS = 256 * 1024
+
+#: The cache keeps a plain-text cut about this often (characters): a prompt sharing a
+#: prefix with an earlier one tokenizes about this much of the shared text again (more
+#: where no space precedes a letter, as in text without spaces).
+PLAIN_CUT_CHARS = 4096
+
+#: A space before a character that may be a letter; :meth:`PromptTokenizer.plain_cuts`
+#: keeps those followed by one (``[^\W\d_]`` also takes non-decimal numbers).
+_SPACE_LETTER = re.compile(r" (?=[^\W\d_])")
 
 
 class PromptTooLongError(ValueError):
@@ -75,7 +118,7 @@ class PromptTooLongError(ValueError):
         self.exact = exact
 
 
-def _pre_tokenizer_ok(spec: dict[str, object] | None) -> bool:
+def _pre_tokenizer_ok(spec: dict[str, Any] | None) -> bool:
     if spec is None:
         return True
     kind = spec.get("type")
@@ -87,9 +130,30 @@ def _pre_tokenizer_ok(spec: dict[str, object] | None) -> bool:
     return kind in _PIECEWISE
 
 
-def prefix_cache_support(tokenizer: Tokenizer) -> str | None:
-    """None when prompts of ``tokenizer`` may be cut at added tokens, else why not."""
-    spec = json.loads(tokenizer.backend.to_str())
+def _gpt2_byte_level(spec: dict[str, Any] | None) -> bool:
+    """Whether ``spec`` is GPT-2's byte-level regex, after a digits split or not."""
+    sequence = spec is not None and spec.get("type") == "Sequence"
+    steps = spec.get("pretokenizers") if spec is not None and sequence else [spec]
+    if not isinstance(steps, list) or not 1 <= len(steps) <= 2:
+        return False
+    *digits, last = steps
+    return (
+        all(isinstance(s, dict) and s.get("type") == "Digits" for s in digits)
+        and isinstance(last, dict)
+        and last.get("type") == "ByteLevel"
+        and last.get("use_regex", True) is True
+        and not last.get("add_prefix_space", False)
+    )
+
+
+def _spec(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizer's JSON spec (``tokenizer.json``'s content)."""
+    spec: dict[str, Any] = json.loads(tokenizer.backend.to_str())
+    return spec
+
+
+def _pipeline_problem(tokenizer: Tokenizer, spec: dict[str, Any]) -> str | None:
+    """Why the pipeline's pieces are not independent (see the module docstring), or None."""
     if spec.get("normalizer") is not None:
         return "it has a normalizer"
     if not _pre_tokenizer_ok(spec.get("pre_tokenizer")):
@@ -99,16 +163,46 @@ def prefix_cache_support(tokenizer: Tokenizer) -> str | None:
     if (spec.get("model") or {}).get("dropout"):
         return "its model has dropout"
     added = tokenizer.backend.get_added_tokens_decoder().values()
-    if not added:
-        return "it has no added tokens to cut at"
     if any(t.lstrip or t.rstrip or t.single_word for t in added):
         return "an added token strips or matches whole words only"
     return None
 
 
-def _max_token_chars(tokenizer: Tokenizer) -> int | None:
+def _added_token_problem(tokenizer: Tokenizer, spec: dict[str, Any]) -> str | None:
+    """Why prompts may not be cut at added tokens, or None."""
+    problem = _pipeline_problem(tokenizer, spec)
+    if problem is None and not tokenizer.backend.get_added_tokens_decoder():
+        return "it has no added tokens to cut at"
+    return problem
+
+
+def _plain_text_problem(tokenizer: Tokenizer, spec: dict[str, Any]) -> str | None:
+    """Why prompts may not be cut inside plain text, or None."""
+    problem = _pipeline_problem(tokenizer, spec)
+    if problem is not None:
+        return problem
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return "its model is not BPE"
+    if not _gpt2_byte_level(spec.get("pre_tokenizer")):
+        return "its pre-tokenizer is not GPT-2's byte-level regex (after a digits split or not)"
+    if any(" " in t.content for t in tokenizer.backend.get_added_tokens_decoder().values()):
+        return "an added token contains a space"
+    return None
+
+
+def prefix_cache_support(tokenizer: Tokenizer) -> str | None:
+    """None when prompts of ``tokenizer`` may be cut at added tokens, else why not."""
+    return _added_token_problem(tokenizer, _spec(tokenizer))
+
+
+def plain_cut_support(tokenizer: Tokenizer) -> str | None:
+    """None when prompts of ``tokenizer`` may be cut inside plain text, else why not."""
+    return _plain_text_problem(tokenizer, _spec(tokenizer))
+
+
+def _max_token_chars(tokenizer: Tokenizer, spec: dict[str, Any]) -> int | None:
     """Most characters one token covers, when the vocabulary is byte-level (else None)."""
-    pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
+    pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     if not any(s.get("type") == "ByteLevel" for s in steps):
         return None
@@ -118,11 +212,23 @@ def _max_token_chars(tokenizer: Tokenizer) -> int | None:
     return max([*(len(t) for t in vocab), *(len(t.content) for t in added), 1])
 
 
+def _cost(ids: array[int]) -> int:
+    """Bytes an entry counts against the cache's budget."""
+    return ids.itemsize * len(ids) + TokenPrefixCache.OVERHEAD
+
+
 @dataclass(slots=True)
 class TokenPrefixCache:
-    """Token ids of text prefixes, least recently used dropped first past ``max_bytes``.
+    """Chains of token-id segments keyed by text prefix, least recently used dropped first.
 
-    Thread-safe: the gateway tokenizes in worker threads.
+    Entry ``i`` of a chain holds the ids of one segment of a prompt, keyed by the hash of
+    the text up to the segment's end (see the module docstring); the budget
+    ``max_bytes`` counts each entry's ids plus :attr:`OVERHEAD`. Thread-safe: the
+    gateway tokenizes in worker threads.
+
+    Attributes:
+        hits: Lookups that found at least one entry.
+        misses: Lookups that found none.
     """
 
     max_bytes: int = 64 * 1024 * 1024
@@ -144,31 +250,40 @@ class TokenPrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: int) -> array[int] | None:
-        """The ids stored under ``key`` (marked as recently used), or None."""
+    def get_run(self, keys: Sequence[int]) -> list[array[int]]:
+        """The entries under ``keys[0]``, ``keys[1]``... up to the first missing one."""
+        found = []
         with self._lock:
-            ids = self._entries.get(key)
-            if ids is None:
+            for key in keys:
+                ids = self._entries.get(key)
+                if ids is None:
+                    break
+                found.append(ids)
+            if found:
+                self.hits += 1
+            else:
                 self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return ids
+        return found
 
-    def put(self, key: int, ids: array[int]) -> None:
-        """Store ``ids`` under ``key``, dropping the least recently used past the budget."""
-        cost = ids.itemsize * len(ids) + self.OVERHEAD
-        if cost > self.max_bytes:
-            return
+    def put_run(self, keys: Sequence[int], segments: Sequence[array[int]]) -> None:
+        """Store ``segments[i]`` under ``keys[i]``, ``segments[0]`` most recently used.
+
+        NOTE: a chain serves a lookup only from its head on, so it is stored tail first:
+        past the budget, the least recently used order drops its tail before its head.
+        """
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.itemsize * len(old) + self.OVERHEAD
-            self._entries[key] = ids
-            self._bytes += cost
-            while self._bytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= dropped.itemsize * len(dropped) + self.OVERHEAD
+            for key, ids in zip(reversed(keys), reversed(segments), strict=True):
+                cost = _cost(ids)
+                if cost > self.max_bytes:
+                    continue
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._bytes -= _cost(old)
+                self._entries[key] = ids
+                self._bytes += cost
+                while self._bytes > self.max_bytes:
+                    _, dropped = self._entries.popitem(last=False)
+                    self._bytes -= _cost(dropped)
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -183,13 +298,24 @@ class PromptTokenizer:
     Args:
         tokenizer: The model's tokenizer (the workers' own).
         cache_bytes: Budget of the prefix cache (0: no cache).
+        plain_cut_chars: How often (characters) the cache keeps a plain-text cut.
     """
 
-    def __init__(self, tokenizer: Tokenizer, cache_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        cache_bytes: int = 64 * 1024 * 1024,
+        plain_cut_chars: int = PLAIN_CUT_CHARS,
+    ) -> None:
+        if plain_cut_chars < 1:
+            raise ValueError(f"plain_cut_chars must be >= 1, got {plain_cut_chars}")
+        spec = _spec(tokenizer)
         self.tokenizer = tokenizer
-        self.unsupported = prefix_cache_support(tokenizer)
+        self.unsupported = _added_token_problem(tokenizer, spec)
+        self.plain_unsupported = _plain_text_problem(tokenizer, spec)
+        self.plain_cut_chars = plain_cut_chars
         self.cache = TokenPrefixCache(max_bytes=cache_bytes)
-        self.max_token_chars = _max_token_chars(tokenizer)
+        self.max_token_chars = _max_token_chars(tokenizer, spec)
         added = sorted(
             {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()},
             key=len,
@@ -202,18 +328,47 @@ class PromptTokenizer:
     @property
     def caching(self) -> bool:
         """Whether prompts are cut and cached (the tokenizer qualifies, a budget is set)."""
-        return self.unsupported is None and self.cache.max_bytes > 0
+        cuttable = self.unsupported is None or self.plain_unsupported is None
+        return cuttable and self.cache.max_bytes > 0
 
     def cuts(self, text: str) -> list[int]:
-        """Positions ``p`` (ascending, > 0) where ``encode(text)`` splits exactly in two."""
+        """The cached cuts of ``text``, ascending (see the module docstring).
+
+        Each added-token cut, and the first plain-text cut at or after each multiple of
+        ``plain_cut_chars``: positions ``p > 0`` where ``encode(text)`` splits exactly.
+        """
+        return sorted([*self.added_token_cuts(text), *self.plain_cuts(text, self.plain_cut_chars)])
+
+    def added_token_cuts(self, text: str) -> list[int]:
+        """Positions ``p > 0`` (ascending) where an added token starts, straddled by none."""
         rx = self._added
-        if rx is None:
+        if rx is None or self.unsupported is not None:
             return []
         out = []
         for m in rx.finditer(text):
             p = m.start()
             if p > 0 and not self._straddled(text, p):
                 out.append(p)
+        return out
+
+    def plain_cuts(self, text: str, every: int = 1) -> list[int]:
+        """The first plain-text cut at or after each multiple of ``every`` (ascending).
+
+        Plain-text cuts are spaces followed by a letter where no added token starts; there
+        are none when the tokenizer does not qualify (:func:`plain_cut_support`).
+        """
+        if self.plain_unsupported is not None:
+            return []
+        out = []
+        pos = every
+        while (m := _SPACE_LETTER.search(text, pos)) is not None:
+            p = m.start()
+            token_next = self._added is not None and self._added.match(text, p + 1) is not None
+            if text[p + 1].isalpha() and not token_next:
+                out.append(p)
+                pos = (p // every + 1) * every
+            else:
+                pos = p + 1
         return out
 
     def _straddled(self, text: str, p: int) -> bool:
@@ -230,10 +385,9 @@ class PromptTokenizer:
 
         NOTE: ``tokenizers``' ``encode`` holds the GIL for its whole run (a 1 MiB prompt
         stalls every thread for half a second); the batch entry points release it and
-        return the same ids. ``encode_batch_fast`` also skips computing offsets.
+        return the same ids. ``encode_batch_fast`` also skips computing offsets. One text
+        per call: a batch of several spreads over every core, starving the event loop.
         """
-        if not isinstance(text, str):
-            raise TypeError(f"can only encode str, got {type(text).__name__}")
         batch = getattr(self.tokenizer.backend, "encode_batch_fast", None)
         batch = batch or self.tokenizer.backend.encode_batch
         return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -255,15 +409,17 @@ class PromptTokenizer:
         """``tokenizer.encode(text, add_special_tokens)``, from the cache where it can.
 
         Raises:
+            TypeError: ``text`` is not a str.
             PromptTooLongError: ``limit`` is set and the prompt has more tokens; counting
                 stops as soon as that is known.
         """
+        if not isinstance(text, str):
+            raise TypeError(f"can only encode str, got {type(text).__name__}")
         if limit is not None and self.max_token_chars is not None:
             at_least = math.ceil(len(text) / self.max_token_chars)
             if at_least > limit:
                 raise PromptTooLongError(at_least, exact=False)
-        tok = self.tokenizer
-        has_post = tok.backend.post_processor is not None
+        has_post = self.tokenizer.backend.post_processor is not None
         if not self.caching or (add_special_tokens and has_post):
             whole = self._encode(text, add_special_tokens)
             if limit is not None and len(whole) > limit:
@@ -271,38 +427,33 @@ class PromptTokenizer:
             return whole
         cuts = self.cuts(text)
         keys = self._keys(text, cuts)
+        segments = self.cache.get_run(keys)
         ids: list[int] = []
-        start = 0
-        for p, key in zip(reversed(cuts), reversed(keys), strict=True):
-            cached = self.cache.get(key)
-            if cached is not None:
-                ids.extend(cached)
-                start = p
-                break
+        for cached in segments:
+            ids.extend(cached)
         if limit is not None and len(ids) > limit:
             raise PromptTooLongError(len(ids), exact=False)
-        last = cuts[-1] if cuts else 0
-        ends = [p for p in _chunk_ends(cuts, start, len(text)) if p != last]
-        if last > start:
-            ends = sorted({*ends, last})
-        pos = start
-        for end in ends:
-            ids.extend(self._encode(text[pos:end], False))
-            pos = end
-            if end == last:
-                self.cache.put(keys[-1], array("I", ids))
+        # Segment j is text[bounds[j]:bounds[j + 1]]; the cache held the first len(segments).
+        bounds = [0, *cuts, len(text)]
+        for chunk in _chunks(bounds, len(segments)):
+            for j in chunk:
+                new = self._encode(text[bounds[j] : bounds[j + 1]], False)
+                ids.extend(new)
+                if j < len(cuts):
+                    segments.append(array("I", new))
             if limit is not None and len(ids) > limit:
-                raise PromptTooLongError(len(ids), exact=end == len(text))
+                raise PromptTooLongError(len(ids), exact=chunk[-1] == len(cuts))
+        self.cache.put_run(keys, segments)
         return ids
 
 
-def _chunk_ends(cuts: list[int], start: int, end: int) -> list[int]:
-    """Ends of chunks of about :data:`CHUNK_CHARS` from ``start``, at cuts; ``end`` last."""
-    out = []
-    mark = start
-    for p in cuts:
-        if p > start and p - mark >= CHUNK_CHARS and p < end:
-            out.append(p)
-            mark = p
-    out.append(end)
-    return out
+def _chunks(bounds: list[int], first: int) -> Iterator[range]:
+    """Segments ``first``, ``first + 1``... in runs of about :data:`CHUNK_CHARS` each.
+
+    Segment ``j`` is ``bounds[j]:bounds[j + 1]``; the last run ends with the last segment.
+    """
+    start = first
+    for j in range(first + 1, len(bounds)):
+        if bounds[j] - bounds[start] >= CHUNK_CHARS or j == len(bounds) - 1:
+            yield range(start, j)
+            start = j

@@ -130,7 +130,14 @@ def cluster(redis_server: Any) -> Iterator[Cluster]:
 
 def test_a_one_mib_prompt_does_not_stall_short_requests(cluster: Cluster) -> None:
     short = {"model": "tiny", "prompt": "Hello there", "max_tokens": 1}
-    big = {"model": "tiny", "prompt": "lorem ipsum dolor " * (1024 * 1024 // 18), "max_tokens": 1}
+    # Words on lines of their own: no space before a letter, so no cut inside the text,
+    # and the whole MiB is tokenized before the limit can refuse it (spaced words would be
+    # refused after the first chunk, too soon to show that nothing waited for it).
+    big = {
+        "model": "tiny",
+        "prompt": "lorem\nipsum\ndolor\n" * (1024 * 1024 // 18),
+        "max_tokens": 1,
+    }
 
     async def timed(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, float, int]:
         """(latency, finish time, status) of one request."""
