@@ -8,11 +8,11 @@ A pins them between two engine steps and sends them from its KV tensor over its
 data socket; B reserves fresh blocks, receives each block straight into one,
 checks model, layout, keys and every xxh3 checksum, then caches them). Right after
 each pull the same number of bytes is copied through a plain loopback TCP socket (a
-sender thread writing one buffer, the receiver reading into a preallocated, already
-mapped buffer): the ceiling of any transfer over loopback on this machine, measured
-side by side. The pull is timed end to end (B asks its pool what it lacks, finds A's
-data port, the transfer, the import); the figure is
-the ratio of the two throughputs per round (median over rounds).
+sender thread writing one buffer of random bytes, the receiver reading into a
+preallocated, already mapped buffer): the ceiling of any transfer over loopback on
+this machine, measured side by side. The pull is timed end to end (B asks its pool
+what it lacks, finds A's data port, the transfer, the import); the figure is the
+ratio of the two throughputs per round (median over rounds).
 
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
 """
@@ -47,8 +47,14 @@ SOCKET_BUFFER = 8 << 20
 
 
 def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
-    """Seconds to move ``num_bytes`` through a loopback TCP connection (send + receive)."""
-    payload = memoryview(bytes(num_bytes))
+    """Seconds to move ``num_bytes`` through a loopback TCP connection (send + receive).
+
+    The bytes are random and written before the clock starts, as a worker's KV blocks
+    are: a zero-filled buffer (``bytes(n)``, which this copy once sent) maps every page
+    to the kernel's one zero page, so the sender read the same cached 4 KiB over and
+    over and the "ceiling" was a ceiling for no real data.
+    """
+    payload = memoryview(random.Random(num_bytes).randbytes(num_bytes))
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
 
