@@ -63,13 +63,17 @@ policy remembers when each pull it ordered should land; a candidate pays,
 in its externality, the part of its work that each pull landing before its
 prefill ends waits behind (``landing_s``). Blocks being pulled are not
 speculated on their target either: a request that followed there before
-they land would recompute them, so it prices its own pull instead.
+they land would recompute them, so it prices its own pull instead. And a
+pull is priced only for the blocks that fit in the HBM room admitted work
+leaves on ``w`` (``hbm_room_blocks``): a worker imports only what fits, and
+the cached copy is the first thing its queued requests' allocations evict.
 
 The minimum score wins; ties go to the fewest in-flight requests (including
 those routed here and not yet visible), then the host name, so decisions are
 reproducible. ``predicted_ttft_s`` is the chosen worker's TTFT (not its
-score). Speculative prefix entries (``policies.speculation``) make a burst of
-requests sharing one system prompt see each other: the second request finds
+score). Speculative prefix entries (``policies.speculation``, kept until the
+request's predicted TTFT has passed, plus the TTL) make a burst of requests
+sharing one system prompt see each other: the second request finds
 the first's prefix on the first's worker, and that worker's longer queue, so
 the burst spreads once queueing costs more than recomputing the prefix.
 """
@@ -103,7 +107,8 @@ class KvTtftPolicy:
     """Predicted-TTFT routing with speculative prefix entries and load.
 
     Args:
-        speculative_ttl_s: Lifetime of speculative entries (default 2 s: well above
+        speculative_ttl_s: How long speculative entries outlive their request's
+            predicted TTFT, and speculative load its routing (default 2 s: well above
             the event-to-index and heartbeat delays of a healthy cluster).
         catchup_s: A view taken this long after a routing already counts it.
         mean_decode_context: KV tokens per running sequence assumed for the decode term
