@@ -118,7 +118,14 @@ def test_any_situation_gets_a_listed_worker_and_a_full_ranking(
         assert all("total" in terms for terms in decision.scores.values())
         assert sorted(decision.ranked()) == sorted(hosts)
         indexed = matches[decision.worker].blocks if decision.worker in matches else 0
-        if name == "kv_ttft":  # its speculative entries can only widen the index's match
+        if decision.kv_source is not None:
+            # matched_blocks counts the blocks pulled from the source: more than the
+            # chosen worker holds, no more than the source holds of this prompt.
+            held = min(matches[decision.kv_source].blocks, len(prompt.block_keys))
+            assert indexed < decision.matched_blocks <= held
+            if name != "kv_ttft":  # kv_ttft may pull less: what fits in HBM
+                assert decision.matched_blocks == held
+        elif name == "kv_ttft":  # its speculative entries can only widen the index's match
             assert decision.matched_blocks >= indexed
         else:
             assert decision.matched_blocks == indexed
