@@ -80,7 +80,9 @@ class Speculation:
         self._expiry: list[tuple[float, int, str, tuple[int, ...]]] = []
         self._seq = itertools.count()
         self._pending: dict[str, _Backlog] = {}
-        self._latest = -math.inf
+        # Per host, the latest expiry any of its keys holds: a chain expiring no earlier
+        # can overwrite its keys at once instead of taking the max key by key.
+        self._latest: dict[str, float] = {}
 
     def expire(self, now: float) -> None:
         """Drop entries whose time has passed; amortized O(dropped keys + hosts).
@@ -103,6 +105,7 @@ class Speculation:
                     del held[key]
             if not held:
                 del self._keys[host]
+                self._latest.pop(host, None)
 
     def record(
         self,
@@ -121,12 +124,12 @@ class Speculation:
         if keys:
             held_until = expires + max(pending_s, 0.0)
             held = self._keys.setdefault(host, {})
-            if held_until >= self._latest:
+            if held_until >= self._latest.get(host, -math.inf):
                 held.update(dict.fromkeys(keys, held_until))
             else:
                 for key in keys:
                     held[key] = max(held.get(key, held_until), held_until)
-            self._latest = max(self._latest, held_until)
+            self._latest[host] = max(self._latest.get(host, -math.inf), held_until)
             heapq.heappush(self._expiry, (held_until, next(self._seq), host, tuple(keys)))
         backlog = self._pending.setdefault(host, _Backlog())
         backlog.entries.append(_Pending(new_tokens, now, expires))
