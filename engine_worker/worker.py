@@ -434,6 +434,7 @@ class Worker:
             block_size=self.block_size,
             role=self.settings.role,
             epoch=self.epoch,
+            events_seq=self.publisher.seq if self.publisher is not None else 0,
             running=load.running,
             waiting=load.waiting,
             in_flight=load.running + load.waiting,

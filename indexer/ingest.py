@@ -6,7 +6,9 @@ the ``kvrouter indexer`` service wraps it)::
     every refresh_interval_s  HKEYS {p}:hosts (the registry; never a scan) and
                               check that Redis kept its data (a marker key)
     every lease_ttl_s / 3     renew, release, take host leases (ingest_lease)
-    every dead_check_s        hosts whose heartbeat expired are purged
+    every dead_check_s        hosts whose heartbeat expired are purged; live
+                              ones whose heartbeat is ahead of their stream
+                              are asked for a snapshot
     each round                XREAD the owned hosts' streams from their
                               positions, decode, apply in per-host order,
                               then persist the positions ({p}:idx:pos)
@@ -21,9 +23,11 @@ index, :mod:`indexer.index.base`):
   ``snapshot_timeout_s``) and holds the host's later batches (bounded);
   the snapshot replaces the host's entries, then held batches newer than
   it apply;
-* a host quiet for ``quiet_snapshot_s`` after batches is asked once for a
-  snapshot without holding anything: a batch lost at the end of a burst
-  leaves no gap to see until the next batch;
+* a batch lost at the end of a burst leaves no gap to see until the next
+  batch: a live host whose heartbeat names a newer batch (``events_seq``)
+  than its stream delivered, for ``tail_grace_s``, is asked for a snapshot
+  (pending, asked again until answered); and a host quiet for
+  ``quiet_snapshot_s`` after batches is asked once, holding nothing;
 * positions are written after the apply, so a restarted ingester re-reads
   at most one round (duplicates); a stream trimmed past a position shows
   up as a seq gap, which asks for a snapshot;
@@ -61,7 +65,7 @@ from indexer.ingest_lease import HostLeases, LeaseChanges
 from indexer.ingest_metrics import IngestMetrics
 from indexer.ingest_reader import Client, Entries, StreamReader, open_client
 from indexer.tasks import cancel_and_wait
-from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace
+from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace, decode_view
 
 __all__ = ["IngestConfig", "Ingester", "default_replica_id"]
 
@@ -98,6 +102,10 @@ class IngestConfig:
             end of a burst (a dropped batch, a Redis failover losing the newest
             entries) leaves no seq gap to see until the host's next batch. Costs
             one snapshot per host per quiet period; 0 turns it off.
+        tail_grace_s: A live host whose heartbeat names a newer batch than its
+            stream delivered, for this long, lost its newest batches: it is asked
+            for a snapshot (and held pending, asked again until answered). Unlike
+            the quiet check this sees a tail lost at any time; 0 turns it off.
         hold_limit: Batches held per host while it waits for a snapshot.
         control_maxlen: Approximate length cap of a control stream.
         trim_consumed: Trim each event stream up to its persisted position.
@@ -112,6 +120,7 @@ class IngestConfig:
     dead_check_interval_s: float = 2.5
     snapshot_timeout_s: float = 5.0
     quiet_snapshot_s: float = 10.0
+    tail_grace_s: float = 2.0
     hold_limit: int = 10_000
     control_maxlen: int = 100
     trim_consumed: bool = True
@@ -127,8 +136,9 @@ class IngestConfig:
                      "snapshot_timeout_s", "backoff_max_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        if not self.quiet_snapshot_s >= 0:
-            raise ValueError("quiet_snapshot_s must be positive or 0 (off)")
+        for name in ("quiet_snapshot_s", "tail_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be positive or 0 (off)")
 
 
 class Ingester:
@@ -263,7 +273,7 @@ class Ingester:
             await self._balance(now)
             self._due["lease"] = now + self.config.lease_ttl_s / 3
         if now >= self._due["dead"]:
-            await self._purge_dead(client, now)
+            await self._check_heartbeats(client, now)
             self._due["dead"] = now + self.config.dead_check_interval_s
         for st in list(self._hosts.values()):
             if st.ask_due(now, self.config.snapshot_timeout_s):
@@ -352,16 +362,20 @@ class Ingester:
                 pipe.xtrim(self._hosts[host].stream, minid=pos, approximate=True)
             await pipe.execute()
 
-    async def _purge_dead(self, client: Client, now: float) -> None:
+    async def _check_heartbeats(self, client: Client, now: float) -> None:
+        """Purge hosts whose heartbeat expired; ask live ones whose stream lost its tail."""
         states = [st for st in self._hosts.values() if not st.purged]
         if not states:
             return
         pipe = client.pipeline(transaction=False)
         for st in states:
-            pipe.exists(self.keyspace.heartbeat(st.host))
-        alive = await pipe.execute()
-        for st, live in zip(states, alive, strict=True):
-            if live or now - st.seen_at < self.config.dead_check_interval_s:
+            pipe.get(self.keyspace.heartbeat(st.host))
+        beats = await pipe.execute()
+        for st, beat in zip(states, beats, strict=True):
+            if beat is not None:
+                await self._check_tail(st, beat, now)
+                continue
+            if now - st.seen_at < self.config.dead_check_interval_s:
                 continue
             st.forget_pending()
             st.purged = True
@@ -371,6 +385,28 @@ class Ingester:
             self.metrics.dead_hosts.inc()
             self.metrics.purged_entries.inc(removed)
             log.info("host %s: heartbeat expired; purged %d entries", st.host, removed)
+
+    async def _check_tail(self, st: HostState, beat: bytes, now: float) -> None:
+        """Ask for a snapshot when the heartbeat names batches the stream never delivered."""
+        if self.config.tail_grace_s <= 0:
+            return
+        try:
+            view = decode_view(beat)
+        except ValueError:
+            return  # not a worker view (a foreign heartbeat): nothing to compare
+        if view.events_seq <= 0:
+            return
+        if st.heard is None:
+            # Taken over and nothing read yet: the index's cursor is where the stream stood.
+            cursor = await self.index.cursor(st.host)
+            if cursor is None:
+                return
+            st.hear(*cursor)
+        if st.tail_lost(view.epoch, view.events_seq, now, self.config.tail_grace_s):
+            assert st.heard is not None
+            log.info("host %s: heartbeat at batch %s:%s, stream at %s; asking for a snapshot",
+                     st.host, view.epoch, view.events_seq, st.heard[1])  # fmt: skip
+            await self._ask(st, "tail")
 
     # -- applying -------------------------------------------------------------------------
 
@@ -409,6 +445,7 @@ class Ingester:
 
     async def _on_batch(self, st: HostState, batch: EventBatch) -> None:
         st.unchecked = True
+        st.hear(batch.epoch, batch.seq)
         if st.pending:
             self.metrics.held_dropped.inc(st.hold(batch, self.config.hold_limit))
             self.metrics.batches.labels(result="held").inc()
@@ -430,6 +467,7 @@ class Ingester:
         self.metrics.snapshots.labels(result="applied" if done else "stale").inc()
         if not done:
             return
+        st.hear(snapshot.epoch, snapshot.seq)
         for batch in st.answered(snapshot):
             await self._on_batch(st, batch)
 

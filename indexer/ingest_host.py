@@ -39,6 +39,10 @@ class HostState:
         dirty: Whether ``last_id`` moved since it was last persisted.
         unchecked: Whether batches were consumed since the last snapshot request
             (a quiet host is then asked once: see ``IngestConfig.quiet_snapshot_s``).
+        heard: The newest ``(epoch, seq)`` the stream delivered (a batch of any
+            outcome, or an applied snapshot); None until the first one.
+        behind_since: Since when the host's heartbeat has reported a newer batch
+            than ``heard`` (a lost tail: see ``IngestConfig.tail_grace_s``).
     """
 
     host: str
@@ -50,6 +54,8 @@ class HostState:
     purged: bool = False
     dirty: bool = False
     unchecked: bool = False
+    heard: tuple[int, int] | None = None
+    behind_since: float | None = None
 
     @property
     def pending(self) -> bool:
@@ -86,6 +92,26 @@ class HostState:
     def quiet_check_due(self, now: float, quiet_s: float) -> bool:
         """Whether the host went quiet for ``quiet_s`` after batches (ask once, not waiting)."""
         return quiet_s > 0 and self.unchecked and not self.pending and now - self.seen_at >= quiet_s
+
+    def hear(self, epoch: int, seq: int) -> None:
+        """Record that the stream delivered ``(epoch, seq)`` (a new epoch supersedes)."""
+        if self.heard is None or self.heard[0] != epoch or seq > self.heard[1]:
+            self.heard = (epoch, seq)
+
+    def tail_lost(self, epoch: int, seq: int, now: float, grace_s: float) -> bool:
+        """Whether batches the heartbeat reports (``epoch``, up to ``seq``) are missing.
+
+        The worker's heartbeat names the last batch it formed. Ahead of what the
+        stream delivered for ``grace_s`` in a row (batches in flight arrive well
+        within it), the batches in between were lost, and with nothing after
+        them there is no seq gap to see: the caller asks for a snapshot.
+        """
+        if self.heard is None or self.heard[0] != epoch or seq <= self.heard[1]:
+            self.behind_since = None
+            return False
+        if self.behind_since is None:
+            self.behind_since = now
+        return not self.pending and now - self.behind_since >= grace_s
 
     def answered(self, snapshot: Snapshot) -> list[EventBatch]:
         """End the wait with ``snapshot``; the held batches it does not cover, in order."""

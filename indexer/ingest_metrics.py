@@ -25,7 +25,8 @@ class IngestMetrics:
         blocks: Block events in applied batches.
         snapshots: Snapshot messages consumed, by ``result`` (applied, stale).
         snapshot_requests: Snapshot requests written to control streams, by ``reason``
-            (gap; retry of an unanswered one; quiet: the tail check of a quiet host).
+            (gap; retry of an unanswered one; quiet: the check of a quiet host; tail:
+            the heartbeat names batches the stream did not deliver).
         held_dropped: Held batches dropped because a host's hold buffer was full.
         decode_errors: Stream entries skipped as undecodable or invalid.
         dead_hosts: Hosts purged because their heartbeat expired.
@@ -70,7 +71,7 @@ class IngestMetrics:
             self.batches.labels(result=r)
         for r in ("applied", "stale"):
             self.snapshots.labels(result=r)
-        for r in ("gap", "retry", "quiet"):
+        for r in ("gap", "retry", "quiet", "tail"):
             self.snapshot_requests.labels(reason=r)
         for c in ("acquired", "released", "lost"):
             self.leases.labels(change=c)

@@ -53,6 +53,9 @@ class IndexerSettings(BaseSettings):
     dead_check_interval_s: float = Field(2.5, gt=0, description="about half the heartbeat TTL")
     snapshot_timeout_s: float = Field(5.0, gt=0)
     quiet_snapshot_s: float = Field(10.0, ge=0, description="tail check of quiet hosts; 0 = off")
+    tail_grace_s: float = Field(
+        2.0, ge=0, description="heartbeat ahead of the stream this long: snapshot; 0 = off"
+    )
     hold_limit: int = Field(10_000, ge=1)
     stats_interval_s: float = Field(5.0, ge=0, description="least time between size reads")
 
@@ -67,6 +70,7 @@ class IndexerSettings(BaseSettings):
             dead_check_interval_s=self.dead_check_interval_s,
             snapshot_timeout_s=self.snapshot_timeout_s,
             quiet_snapshot_s=self.quiet_snapshot_s,
+            tail_grace_s=self.tail_grace_s,
             hold_limit=self.hold_limit,
         )
 

@@ -38,6 +38,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
         block_size: Tokens per KV block; must match the router's.
         role: prefill, decode or both.
         epoch: The worker's current epoch (random per start).
+        events_seq: The ``seq`` of the last event batch the worker formed in this
+            epoch, sent or lost (0: none, or not published). The ingester compares
+            it with what the stream delivered to see a lost tail.
         running: Requests being computed (prefill or decode).
         waiting: Requests queued, not started.
         in_flight: Requests accepted and not finished (running + waiting + routed).
@@ -63,6 +66,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     block_size: int
     role: Role = Role.BOTH
     epoch: int = 0
+    events_seq: int = 0
     running: int = 0
     waiting: int = 0
     in_flight: int = 0

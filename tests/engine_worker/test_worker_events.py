@@ -155,6 +155,26 @@ def test_heartbeat_registers_and_describes_the_worker(worker: str, redis_url: st
     assert view.profile is not None
 
 
+def test_heartbeat_names_the_newest_batch_of_the_stream(worker: str, redis_url: str) -> None:
+    mixed_workload(worker, rounds=1)
+    client = redis.Redis.from_url(redis_url)
+    try:
+
+        def caught_up() -> bool:
+            batches = [m for m in read_stream(redis_url) if isinstance(m, EventBatch)]
+            view = decode_view(client.get(KS.heartbeat(HOST)))  # type: ignore[arg-type]
+            # What the ingester compares to see a lost tail: nothing lost, nothing ahead.
+            return (
+                bool(batches)
+                and view.epoch == batches[-1].epoch
+                and (view.events_seq == batches[-1].seq)
+            )
+
+        eventually(caught_up)
+    finally:
+        client.close()
+
+
 def test_a_snapshot_request_on_the_control_stream_is_answered(worker: str, redis_url: str) -> None:
     complete(worker, "some prompt to cache " * 4)
     client = redis.Redis.from_url(redis_url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,8 @@ from indexer.ingest import IngestConfig, Ingester
 from indexer.ingest_metrics import IngestMetrics
 from indexer.media import Medium
 from indexer.metrics import IndexMetrics
-from indexer.wire import OP_SNAPSHOT
+from indexer.views import WorkerView
+from indexer.wire import OP_SNAPSHOT, encode_view
 from tests.indexer.ingest_support import (
     EPOCH,
     KS,
@@ -194,6 +196,82 @@ async def test_a_quiet_host_is_asked_for_a_snapshot_that_repairs_a_lost_last_bat
             )
             == 2
         )
+    await index.close()
+
+
+async def beat(client: aioredis.Redis, host: str, events_seq: int, epoch: int = EPOCH) -> None:
+    """A worker heartbeat naming ``events_seq`` as the last batch it formed."""
+    view = WorkerView(host=host, model="m", block_size=16, epoch=epoch, events_seq=events_seq)
+    await client.set(KS.heartbeat(host), encode_view(view), px=600_000)
+
+
+async def test_a_heartbeat_ahead_of_the_stream_asks_for_a_snapshot_until_one_comes(
+    redis_url: str, client: aioredis.Redis
+) -> None:
+    await register(client, "a", "b")
+    # Batch 3 of "a" was lost and nothing followed it; "b" delivered all it formed.
+    await add(client, "a", batch("a", 1, stored(1)), batch("a", 2, stored(2)))
+    await add(client, "b", batch("b", 1, stored(7)))
+    await beat(client, "a", 3)
+    await beat(client, "b", 1)
+    index = new_index("redis", redis_url)
+    cfg = fast_config(tail_grace_s=0.3, snapshot_timeout_s=0.5)
+    async with running(redis_url, index, cfg) as ing:
+
+        async def applied() -> bool:
+            return await index.cursor("a") == (EPOCH, 2)
+
+        await eventually(applied, what="batches applied")
+
+        async def asked(host: str, times: int) -> bool:
+            return len(await control_requests(client, host)) >= times
+
+        await eventually(lambda: asked("a", 1), what="a snapshot request for the lost tail")
+        # Pending: unanswered, it is asked again; the host that lost nothing is never asked.
+        assert ing.status()["pending"] == ["a"]
+        await eventually(lambda: asked("a", 2), what="the request repeated")
+        assert await control_requests(client, "b") == []
+        await add(client, "a", Snapshot("a", EPOCH, 3, time.time(), {HBM: [1, 2, 3]}))
+
+        async def repaired() -> bool:
+            return await index.cursor("a") == (EPOCH, 3) and not ing.status()["pending"]
+
+        await eventually(repaired, what="the snapshot applied")
+        assert await index.entries("a") == held({1, 2, 3})
+        requests = len(await control_requests(client, "a"))
+        # Caught up: the heartbeat names nothing missing, no more requests.
+        await asyncio.sleep(1.0)
+        assert len(await control_requests(client, "a")) == requests
+        assert await control_requests(client, "b") == []
+        assert ing.metrics.batch_count("gap") == 0
+        tail = ing.metrics.registry.get_sample_value(
+            "kvindex_ingest_snapshot_requests_total", {"reason": "tail"}
+        )
+        assert tail == 1
+    await index.close()
+
+
+async def test_a_heartbeat_of_another_epoch_or_without_seq_asks_nothing(
+    redis_url: str, client: aioredis.Redis
+) -> None:
+    await register(client, "a", "b")
+    await add(client, "a", batch("a", 1, stored(1)))
+    await add(client, "b", batch("b", 1, stored(2)))
+    # "a" restarted (its new epoch's first message, a snapshot, is on its way); "b" runs a
+    # worker that does not publish its seq. Neither is a lost tail.
+    await beat(client, "a", 5, epoch=EPOCH + 1)
+    await beat(client, "b", 0)
+    index = new_index("redis", redis_url)
+    async with running(redis_url, index, fast_config(tail_grace_s=0.2)) as ing:
+
+        async def applied() -> bool:
+            return await index.cursor("b") == (EPOCH, 1)
+
+        await eventually(applied, what="batches applied")
+        await asyncio.sleep(1.0)
+        assert await control_requests(client, "a") == []
+        assert await control_requests(client, "b") == []
+        assert ing.status()["pending"] == []
     await index.close()
 
 
