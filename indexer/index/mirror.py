@@ -33,9 +33,9 @@ What can go wrong, and what the mirror does:
   worker for a snapshot (the ingester does).
 * *drift*: the index's cursor for a host held still for a refresh while
   the mirror's differs and is not simply ahead in the same epoch (the
-  ingester lags behind the mirror, that is fine): bootstrapped again. This
-  catches what no gap shows (a host purged by the ingester, a restart whose
-  first batches were trimmed).
+  ingester lags behind the mirror, that is fine, and so is an index with no
+  cursor for the host yet): bootstrapped again. This catches what no gap
+  shows (a restart whose first batches were trimmed).
 * *reset*: Redis lost the index (its incarnation changed): every host is
   bootstrapped again.
 * *Redis away*: from the first failed round (or after ``max_stale_s``
@@ -132,9 +132,18 @@ class _Tail:
 
 
 def _ahead(mine: Cursor | None, theirs: Cursor | None) -> bool:
-    """Whether the mirror's cursor is the index's or later in the same epoch."""
-    if mine is None or theirs is None:
-        return mine == theirs
+    """Whether the mirror's cursor is the index's or later in the same epoch.
+
+    An index without a cursor for the host is behind whatever the mirror read:
+    the ingester has not applied the host yet (it takes a host's lease a few
+    seconds after the host registers, while the mirror follows its stream at
+    once), or it purged the host and its next batch, a gap, asks for the
+    snapshot that the mirror applies from the same stream.
+    """
+    if theirs is None:
+        return True
+    if mine is None:
+        return False
     return mine[0] == theirs[0] and mine[1] >= theirs[1]
 
 
@@ -352,6 +361,8 @@ class IndexMirror:
             if _ahead(self.table.cursor_sync(tail.host), index_cursor):
                 tail.suspect = False
             elif tail.suspect == index_cursor:
+                log.info("index mirror: host %s at %s in the mirror, %s in Redis twice in a row",
+                         tail.host, self.table.cursor_sync(tail.host), index_cursor)  # fmt: skip
                 self._schedule(tail, "drift")
             else:
                 tail.suspect = index_cursor

@@ -27,6 +27,7 @@ from indexer.ingest import Ingester
 from indexer.media import Medium
 from indexer.metrics import MirrorMetrics
 from tests.indexer.ingest_support import (
+    EPOCH,
     KS,
     add,
     batch,
@@ -219,6 +220,27 @@ async def test_dead_hosts_are_dropped_and_a_reset_index_is_read_again(
             lambda: same_as_index(mirror, ingester, ["a", "b"], [[1, 2]]), what="converged"
         )
         assert set(await mirror.match([1, 2])) == {"a"}
+    finally:
+        await mirror.close()
+
+
+async def test_a_mirror_ahead_of_an_ingester_that_has_not_read_the_host_reads_nothing_again(
+    client: aioredis.Redis,
+) -> None:
+    # No ingester yet (a fresh cluster: it takes a new host's lease seconds after the host
+    # registers): the index has no cursor for "a" while the mirror follows its stream.
+    await register(client, "a")
+    await add(client, "a", batch("a", 1, stored(1, 2)), batch("a", 2, stored(3)))
+    registry = CollectorRegistry()
+    mirror = await new_mirror(client, registry)
+    try:
+        await eventually(lambda: mirror.table.cursor_sync("a") == (EPOCH, 2), what="mirror read")
+        await asyncio.sleep(20 * FAST.refresh_interval_s)  # many drift checks
+        assert await mirror.index.cursor("a") is None
+        for reason in ("drift", "gap", "reset"):
+            value = registry.get_sample_value("kvindex_mirror_resyncs_total", {"reason": reason})
+            assert value == 0, reason
+        assert (await mirror.match([1, 2, 3]))["a"].blocks == 3
     finally:
         await mirror.close()
 
