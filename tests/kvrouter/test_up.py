@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvrouter.embedded_redis import free_port
-from tests.support.servers import wait_http
+from tests.support.servers import free_port_run, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
     log = tmp_path / "up.log"
     args = [
         sys.executable, "-m", "kvrouter", "up", "--workers", "2", "--runner", "sim",
-        "--model", "tiny", "--port", str(port), "--worker-port", str(free_port()),
+        "--model", "tiny", "--port", str(port), "--worker-port", str(free_port_run(2)),
         "--indexer-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
     with log.open("wb") as out:

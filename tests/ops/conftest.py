@@ -25,7 +25,7 @@ import pytest
 
 from kvrouter.embedded_redis import free_port
 from kvrouter.ops.exposition import Scrape
-from tests.support.servers import wait_http
+from tests.support.servers import free_port_run, wait_http
 
 #: Far above what the test's requests ask, so only the deliberately huge one gets a 429.
 TOKENS_PER_MINUTE = 1_000_000
@@ -48,7 +48,7 @@ class Cluster:
 
 
 def _start(tmp: Path) -> tuple[subprocess.Popen[bytes], Cluster]:
-    port, wport, iport = free_port(), free_port(), free_port()
+    port, wport, iport = free_port(), free_port_run(2), free_port()
     log = tmp / "up.log"
     args = [
         sys.executable, "-m", "kvrouter", "up", "--workers", "2", "--runner", "sim",

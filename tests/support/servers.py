@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +21,36 @@ from starlette.types import ASGIApp
 
 from kvrouter.embedded_redis import free_port
 
-__all__ = ["ServerProcess", "serve_app", "wait_http"]
+__all__ = ["ServerProcess", "free_port_run", "serve_app", "wait_http"]
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive ports free on 127.0.0.1, below the ephemeral range.
+
+    For a command that takes a first port and counts up (``kvrouter up --worker-port``):
+    a port from :func:`free_port` is an ephemeral one, and the ports after it can be taken
+    at any moment by the outgoing connections of every other process on the machine.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, max(10_001, low - n))
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
