@@ -48,6 +48,7 @@ from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.pd import PdPlan, PdPlanner
 from kvrouter.gateway.routing import ModelTokens, Routed, Router
 from kvrouter.gateway.settings import RouterSettings
+from kvrouter.gateway.upstream import HttpPool, UpstreamError
 from kvrouter.logs import request_id_var
 from kvrouter.policy_factory import build_policy
 
@@ -82,8 +83,9 @@ class Gateway:
         return [v for v in self.directory.routable(model) if v.role in (Role.DECODE, Role.BOTH)]
 
 
-def get_gateway(request: Request) -> Gateway:
-    """The app's gateway state (built by the lifespan)."""
+async def get_gateway(request: Request) -> Gateway:
+    """The app's gateway state (built by the lifespan; async: FastAPI would run a plain
+    function in its thread pool, a thread hop on every request)."""
     gw: Gateway = request.state.gateway
     return gw
 
@@ -172,8 +174,9 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             prompt_cache_bytes=int(settings.prompt_cache_mib * 1024 * 1024),
         )
         token = settings.internal_token.get_secret_value() if settings.internal_token else None
+        upstream = HttpPool()
         dispatcher = Dispatcher(
-            http, directory, load, metrics,
+            upstream, directory, load, metrics,
             max_attempts=settings.max_attempts,
             connect_timeout_s=settings.connect_timeout_s,
             first_byte_timeout_s=settings.first_byte_timeout_s,
@@ -209,6 +212,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
             await directory.stop()
             await load.stop()
             await http.aclose()
+            await upstream.aclose()
             if index is not None:
                 await index.close()
             if client is not None:
@@ -613,7 +617,7 @@ class _Stream:
             if buf:
                 yield buf
             self.status = 200
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             self.status = 502
             gw.metrics.stream_errors.inc()
             log.warning("stream from %s broke after the first byte: %s", up.worker, exc)

@@ -26,15 +26,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-
-import httpx
 
 from engine_worker.protocol import ApiError, error_body
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import LoadTracker, Ticket
 from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.upstream import HttpPool, Timeouts, UpstreamError, UpstreamResponse
 
 __all__ = ["Dispatcher", "Upstream"]
 
@@ -47,10 +46,10 @@ class Upstream:
 
     worker: str
     status: int
-    headers: httpx.Headers
+    headers: Mapping[str, str]
     first: bytes
     rest: AsyncIterator[bytes] | None
-    response: httpx.Response | None
+    response: UpstreamResponse | None
     ticket: Ticket
     first_byte_at: float
 
@@ -59,10 +58,7 @@ class Upstream:
         self.ticket.end()
         response, self.response = self.response, None
         if response is not None:
-            try:
-                await response.aclose()
-            except (httpx.HTTPError, OSError) as exc:
-                log.debug("closing the stream from %s: %s", self.worker, exc)
+            await response.aclose()
 
 
 class Dispatcher:
@@ -70,7 +66,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: HttpPool,
         directory: WorkerDirectory,
         load: LoadTracker,
         metrics: RouterMetrics,
@@ -85,9 +81,7 @@ class Dispatcher:
         self.load = load
         self.metrics = metrics
         self.max_attempts = max_attempts
-        self.timeout = httpx.Timeout(
-            connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=30.0
-        )
+        self.timeouts = Timeouts(connect=connect_timeout_s, write=30.0, read=first_byte_timeout_s)
         self.internal_token = internal_token
 
     async def open(
@@ -139,18 +133,12 @@ class Dispatcher:
         self, worker: str, url: str, body: bytes, headers: dict[str, str], ticket: Ticket,
         whole: bool,
     ) -> Upstream:  # fmt: skip
-        req = self.http.build_request(
-            "POST", url, content=body, headers=headers, timeout=self.timeout
-        )
         try:
-            resp = await self.http.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise _RetryableError("connect", str(exc) or type(exc).__name__) from exc
-        except (httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
-            raise _RetryableError("send", str(exc) or type(exc).__name__) from exc
-        except httpx.TransportError as exc:
-            _started(exc, whole)
-            raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
+            resp = await self.http.post(url, body, headers, self.timeouts)
+        except UpstreamError as exc:
+            if exc.stage == "read":
+                _started(exc, whole)
+            raise _RetryableError(_KINDS[exc.stage], str(exc)) from exc
         try:
             if resp.status_code == 503 or (resp.status_code >= 500 and not whole):
                 text = (await resp.aread())[:200].decode(errors="replace")
@@ -161,7 +149,7 @@ class Dispatcher:
                 await resp.aclose()
                 return Upstream(worker, resp.status_code, resp.headers, data, None, None, ticket,
                                 time.perf_counter())  # fmt: skip
-            chunks = resp.aiter_raw()
+            chunks = resp.aiter_bytes()
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
@@ -172,23 +160,27 @@ class Dispatcher:
         except _RetryableError:
             await resp.aclose()
             raise
-        except httpx.TransportError as exc:
+        except UpstreamError as exc:
             await resp.aclose()
             _started(exc, whole)
-            raise _RetryableError("transport", str(exc) or type(exc).__name__) from exc
+            raise _RetryableError("transport", str(exc)) from exc
         except BaseException:
             await resp.aclose()
             raise
 
 
-def _started(exc: httpx.TransportError, whole: bool) -> None:
+#: The dispatcher's retry kinds (metrics label) by where the request failed.
+_KINDS = {"connect": "connect", "send": "send", "read": "transport"}
+
+
+def _started(exc: UpstreamError, whole: bool) -> None:
     """A non-streaming request failed after its worker took it: answer, never retry."""
     if not whole:
         return
-    timeout = isinstance(exc, httpx.TimeoutException)
+    timeout = exc.timeout
     raise ApiError(
         504 if timeout else 502,
-        f"the worker failed while generating the answer ({type(exc).__name__}); "
+        f"the worker failed while generating the answer ({exc}); "
         "it was not retried, so that it is never generated twice",
         type_="server_error",
         code="upstream_timeout" if timeout else "upstream_failed",
