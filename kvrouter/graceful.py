@@ -66,6 +66,7 @@ class DrainingServer(uvicorn.Server):
 def serve(app: Starlette, *, host: str, port: int, drain_s: float) -> None:
     """Serve ``app`` until a signal, draining in-flight requests for up to ``drain_s``."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, timeout_graceful_shutdown=max(1, round(drain_s))
-    )
+        app, host=host, port=port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=max(1, round(drain_s)),
+    )  # fmt: skip
     DrainingServer(config, app).run()

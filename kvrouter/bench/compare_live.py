@@ -9,9 +9,11 @@ one starts cold. Three measurements, each run side by side in one process:
   (:mod:`kvrouter.bench.text_prompts`); per router TTFT p50/p90/p99, hit rate
   (the workers' ``cached_tokens`` over prompt tokens), requests/s and the
   workers' busy share.
-* **overhead**: one worker, unloaded; each probe request goes once straight
-  to the worker and once through the router, in alternating order, and the
-  router's overhead is the median of the paired TTFT differences. Short
+* **overhead**: one worker, unloaded, and every router in front of it at
+  once; each probe request goes straight to the worker and through every
+  router, in an order rotated from probe to probe, and a router's overhead
+  is the median of its paired TTFT differences (paired and interleaved, so
+  a noisy machine slows every router alike). Short
   prompts (unique 64-word prompts) and long ones (8K-16K tokens whose first
   8K are a prefix the router has already seen). With one worker, the direct
   and the routed request meet the same cache, so the difference is the
@@ -24,6 +26,7 @@ one starts cold. Three measurements, each run side by side in one process:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -162,41 +165,54 @@ def measure_overhead(
     kinds: Sequence[str] = ("short", "long"),
     progress: Callable[[str], None] | None = None,
 ) -> list[OverheadResult]:
-    """Each router's added TTFT per prompt class (see the module docstring)."""
+    """Each router's added TTFT per prompt class (see the module docstring).
+
+    Every router runs at once in front of the one worker, and each probe goes
+    straight to the worker and through every router, in an order rotated from
+    probe to probe: what the machine does meanwhile (it is shared and noisy)
+    falls on every router alike, and the ratios between routers hold.
+    """
     direct = next(iter(fleet.workers.values()))
     model = fleet.config.model
-    out = []
-    for n, spec in enumerate(routers):
-        if n:
-            fleet.restart()
-            direct = next(iter(fleet.workers.values()))
-        if progress is not None:
-            progress(f"overhead of {spec.name}")
-        with fleet.router(spec) as base:
-            for kind in kinds:
-                warm, probe = _probe_prompts(prompts, random.Random(seed), kind, probes)
-                out.append(
-                    asyncio.run(_overhead(spec.name, kind, base, direct, model, warm, probe))
-                )
-    return out
+    if progress is not None:
+        progress(f"overhead of {', '.join(s.name for s in routers)}, interleaved")
+    with contextlib.ExitStack() as stack:
+        bases = {spec.name: stack.enter_context(fleet.router(spec)) for spec in routers}
+        out = []
+        for kind in kinds:
+            warm, probe = _probe_prompts(prompts, random.Random(seed), kind, probes)
+            out += asyncio.run(_overhead(kind, bases, direct, model, warm, probe))
+    order = {spec.name: i for i, spec in enumerate(routers)}
+    return sorted(out, key=lambda r: (order[r.router], kinds.index(r.prompts)))
 
 
 async def _overhead(
-    name: str, kind: str, base: str, direct: str, model: str, warm: list[str], probe: list[str]
-) -> OverheadResult:
+    kind: str, bases: dict[str, str], direct: str, model: str, warm: list[str], probe: list[str]
+) -> list[OverheadResult]:
+    names = list(bases)
+    targets = [direct, *bases.values()]
+    pairs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    errors = dict.fromkeys(names, 0)
     async with httpx.AsyncClient(timeout=120) as http:
         for p in warm:
-            await _ttft(http, base, model, p)
-        pairs: list[tuple[float, float]] = []
-        errors = 0
+            for base in bases.values():
+                await _ttft(http, base, model, p)
         for i, p in enumerate(probe):
-            order = (direct, base) if i % 2 == 0 else (base, direct)
-            got = {url: await _ttft(http, url, model, p) for url in order}
-            d, r = got[direct], got[base]
-            if d is None or r is None:
-                errors += 1
-                continue
-            pairs.append((d, r))
+            k = i % len(targets)
+            got = {url: await _ttft(http, url, model, p) for url in targets[k:] + targets[:k]}
+            d = got[direct]
+            for name, base in bases.items():
+                r = got[base]
+                if d is None or r is None:
+                    errors[name] += 1
+                else:
+                    pairs[name].append((d, r))
+    return [_overhead_result(n, kind, pairs[n], errors[n]) for n in names]
+
+
+def _overhead_result(
+    name: str, kind: str, pairs: list[tuple[float, float]], errors: int
+) -> OverheadResult:
     if not pairs:
         nan = float("nan")
         return OverheadResult(router=name, prompts=kind, probes=0, direct_p50_ms=nan,

@@ -386,27 +386,33 @@ async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | N
     """Run ``work``; if the client disconnects first, cancel it and return None.
 
     Cancelling stops everything ``work`` started: the load ticket ends and the
-    worker's connection closes, which aborts the request on the worker.
+    worker's connection closes, which aborts the request on the worker. ``work``
+    runs in this task (no hop through the loop); a watcher task cancels it.
     """
-    task = asyncio.ensure_future(work)
+    task = asyncio.current_task()
+    assert task is not None
     gone = asyncio.ensure_future(_disconnected(request.receive))
+    left = finished = False
+
+    def on_gone(fut: asyncio.Future[None]) -> None:
+        # Runs from the loop, possibly after ``work`` returned (then it must not cancel);
+        # while ``work`` waits, the cancel lands inside it, where its cleanup is.
+        nonlocal left
+        if not finished and not fut.cancelled() and fut.exception() is None:
+            left = True
+            task.cancel()
+
+    gone.add_done_callback(on_gone)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        late = await task
+        return await work
     except (asyncio.CancelledError, ApiError):
+        if not left:
+            raise
+        task.uncancel()  # our own cancel: the client left, nothing to propagate
         return None
-    if isinstance(late, _Opened):  # it finished just as the client left
-        await late.up.close()
-    return None
+    finally:
+        finished = True
+        gone.cancel()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -570,8 +576,19 @@ class _RelayResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's own __call__ (ASGI spec < 2.4, as uvicorn's) watches for the client
+        # leaving in an anyio task group; two plain tasks do the same for less.
         try:
-            await super().__call__(scope, receive, send)
+            relay = asyncio.ensure_future(self.stream_response(send))
+            gone = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                relay.cancel()
+                gone.cancel()
+                await asyncio.gather(relay, gone, return_exceptions=True)
+            if not relay.cancelled() and (exc := relay.exception()) is not None:
+                raise exc
         finally:
             await self._on_close()
 

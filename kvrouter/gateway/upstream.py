@@ -167,15 +167,17 @@ class _Connection(asyncio.Protocol):
         if self._error is not None:
             raise self._error
         loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
+        waiter = self._waiter = loop.create_future()
+        # A timer on the future, not asyncio.timeout(): this runs for every chunk relayed.
+        timer = loop.call_later(limit_s, _expire, waiter)
         try:
-            async with asyncio.timeout(limit_s):
-                await self._waiter
+            await waiter
         except TimeoutError:
             self.close()
             reason = f"no {what} from the worker in {limit_s:g} s"
             raise UpstreamError("read", reason, timeout=True) from None
         finally:
+            timer.cancel()
             self._waiter = None
         if self._error is not None:
             raise self._error
@@ -230,6 +232,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class UpstreamResponse:
