@@ -105,12 +105,14 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KvrouterIndexResyncStorm",
-        'sum(increase(kvindex_ingest_snapshot_requests_total{reason=~"gap|retry"}[10m])) > 10',
+        'sum(increase(kvindex_ingest_snapshot_requests_total{reason=~"gap|retry|tail"}[10m]))'
+        " > 10",
         "10m",
         "warning",
         "The KV index keeps asking workers for full snapshots",
-        "More than 10 snapshot requests for gaps or unanswered snapshots in 10 minutes, for "
-        "10 minutes (quiet-host checks are routine and not counted). Workers are dropping "
+        "More than 10 snapshot requests for gaps, lost tails or unanswered snapshots in 10 "
+        "minutes, for 10 minutes (quiet-host checks are routine and not counted). Workers are "
+        "dropping "
         "event batches (kvworker_kv_event_batches_dropped_total), restarting, or not "
         "answering snapshot requests; each snapshot replaces a host's entries.",
     ),
