@@ -105,8 +105,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KvrouterIndexResyncStorm",
-        'sum(increase(kvindex_ingest_snapshot_requests_total{reason=~"gap|retry|tail"}[10m]))'
-        " > 10",
+        'sum(increase(kvindex_ingest_snapshot_requests_total{reason=~"gap|retry|tail"}[10m])) > 10',
         "10m",
         "warning",
         "The KV index keeps asking workers for full snapshots",
