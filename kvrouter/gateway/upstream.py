@@ -13,6 +13,8 @@ this one is an :class:`asyncio.Protocol` per connection with the C parser
   about to reuse);
 * a response closed before its end closes its connection: that is how the
   gateway aborts a request on its worker (the worker sees the disconnect);
+* a reused connection that ends without a byte of answer (closed by the
+  worker as it was reused) sends the request once more on a new one;
 * body chunks arrive de-chunked (``Transfer-Encoding: chunked`` is decoded
   by the parser); reading pauses while 1 MiB waits unread;
 * timeouts: connecting, writing the request, and every read (the first
@@ -80,6 +82,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._headers_done = False
         self.complete = False
+        self.answered = False  # any byte of the current answer arrived
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -93,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         if self._parser is None:
             self._fail(UpstreamError("read", "bytes from the worker with no request pending"))
             return
@@ -187,7 +191,7 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("send", "the connection is closed")
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._chunks, self._buffered = [], deque(), 0
-        self._headers_done = self.complete = self._keep_alive = False
+        self._headers_done = self.complete = self._keep_alive = self.answered = False
         self._error = None
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -322,16 +326,36 @@ class HttpPool:
         lines = [f"POST {target} HTTP/1.1", f"host: {parts.netloc}", f"content-length: {len(body)}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        conn = self._take(key) or await self._connect(key, timeouts.connect)
+        reused = self._take(key)
+        conn = reused or await self._connect(key, timeouts.connect)
+        try:
+            status, raw_headers = await self._exchange(conn, head, body, timeouts)
+        except UpstreamError as exc:
+            # A kept-alive connection the worker closed just as it was reused ends without
+            # a byte of answer: the worker never took the request, so it goes once more on
+            # a new connection (what HTTP clients do for a connection closed while idle).
+            # A worker that is gone (the new connection is refused) keeps the first error:
+            # the request reached a worker that died with it, and the dispatcher decides.
+            if conn is not reused or exc.stage != "read" or exc.timeout or conn.answered:
+                raise
+            try:
+                conn = await self._connect(key, timeouts.connect)
+            except UpstreamError:
+                raise exc from None
+            status, raw_headers = await self._exchange(conn, head, body, timeouts)
+        return UpstreamResponse(self, conn, status, raw_headers, timeouts.read)
+
+    async def _exchange(
+        self, conn: _Connection, head: bytes, body: bytes, timeouts: Timeouts
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
         self._open.add(conn)
         try:
             await conn.send(head, body, timeouts)
-            status, raw_headers = await conn.headers(timeouts.read)
+            return await conn.headers(timeouts.read)
         except BaseException:
             conn.close()
             self._open.discard(conn)
             raise
-        return UpstreamResponse(self, conn, status, raw_headers, timeouts.read)
 
     async def aclose(self) -> None:
         """Close every connection, idle or in use."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -205,6 +206,62 @@ async def test_a_connection_the_worker_closed_while_idle_is_dropped() -> None:
         r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
         assert await r.aread() == b"{}"
         assert pool.connects == 2
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def closing_on_reuse_server(*, stop_listening: bool) -> tuple[asyncio.Server, str]:
+    """Answers a connection's first request (kept alive), then closes that connection on
+    its second request without a byte of answer (a worker closing an idle connection just
+    as it is reused); with ``stop_listening`` it also stops accepting (a worker gone)."""
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+    holder: list[asyncio.Server] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(reply)
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+        if stop_listening:
+            holder[0].close()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    holder.append(srv)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+
+async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_once_on_a_new_one() -> (
+    None
+):
+    srv, base = await closing_on_reuse_server(stop_listening=False)
+    pool = HttpPool()
+    try:
+        for _ in range(3):
+            r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+            assert await r.aread() == b"{}"
+        # Every reuse was closed unanswered and sent again on a new connection.
+        assert pool.connects == 3
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_a_worker_gone_after_taking_the_request_keeps_the_read_error() -> None:
+    srv, base = await closing_on_reuse_server(stop_listening=True)
+    pool = HttpPool()
+    try:
+        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+        assert await r.aread() == b"{}"
+        with pytest.raises(UpstreamError) as lost:
+            await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+        # Not a connect error: the dispatcher must know the request may have been taken.
+        assert lost.value.stage == "read"
     finally:
         await pool.aclose()
         srv.close()
