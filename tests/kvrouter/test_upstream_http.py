@@ -161,62 +161,17 @@ async def test_errors_say_where_they_happened(server: tuple[str, Seen]) -> None:
         await pool.aclose()
 
 
-async def raw_server(reply: bytes, *, close_after_s: float) -> tuple[asyncio.Server, str]:
-    """A TCP server that answers every connection's first request with ``reply`` bytes,
-    then closes the connection after ``close_after_s``."""
+@contextlib.asynccontextmanager
+async def raw_server(
+    reply: bytes, *, close_after_s: float | None = None, gone_on_reuse: bool = False
+) -> AsyncIterator[tuple[str, HttpPool]]:
+    """A TCP server answering each connection's first request (a ``{}`` body) with
+    ``reply`` bytes, and a pool to talk to it.
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(reply)
-        await writer.drain()
-        await asyncio.sleep(close_after_s)
-        writer.close()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    return srv, f"http://127.0.0.1:{port}"
-
-
-async def test_a_body_cut_short_is_an_error_not_a_short_answer() -> None:
-    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"y" * 40
-    srv, base = await raw_server(reply, close_after_s=0.05)
-    pool = HttpPool()
-    try:
-        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
-        assert await r.next_chunk() == b"y" * 40
-        with pytest.raises(UpstreamError) as cut:
-            await r.next_chunk()
-        assert cut.value.stage == "read"
-        assert pool.idle() == 0
-    finally:
-        await pool.aclose()
-        srv.close()
-        await srv.wait_closed()
-
-
-async def test_a_connection_the_worker_closed_while_idle_is_dropped() -> None:
-    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
-    srv, base = await raw_server(reply, close_after_s=0.05)
-    pool = HttpPool()
-    try:
-        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
-        assert await r.aread() == b"{}"
-        assert pool.idle() == 1
-        await asyncio.sleep(0.3)  # the server closed it meanwhile
-        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
-        assert await r.aread() == b"{}"
-        assert pool.connects == 2
-    finally:
-        await pool.aclose()
-        srv.close()
-        await srv.wait_closed()
-
-
-async def closing_on_reuse_server(*, stop_listening: bool) -> tuple[asyncio.Server, str]:
-    """Answers a connection's first request (kept alive), then closes that connection on
-    its second request without a byte of answer (a worker closing an idle connection just
-    as it is reused); with ``stop_listening`` it also stops accepting (a worker gone)."""
-    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+    Then it closes the connection ``close_after_s`` later; or, without it, on the
+    connection's next request, unanswered (a worker closing an idle connection just as
+    it is reused), and with ``gone_on_reuse`` it also stops accepting (a worker gone).
+    """
     holder: list[asyncio.Server] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -224,45 +179,67 @@ async def closing_on_reuse_server(*, stop_listening: bool) -> tuple[asyncio.Serv
         await reader.readexactly(2)
         writer.write(reply)
         await writer.drain()
-        with contextlib.suppress(asyncio.IncompleteReadError):
-            await reader.readuntil(b"\r\n\r\n")
-        if stop_listening:
-            holder[0].close()
+        if close_after_s is not None:
+            await asyncio.sleep(close_after_s)
+        else:
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                await reader.readuntil(b"\r\n\r\n")
+            if gone_on_reuse:
+                holder[0].close()
         writer.close()
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     holder.append(srv)
-    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-
-
-async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_once_on_a_new_one() -> (
-    None
-):
-    srv, base = await closing_on_reuse_server(stop_listening=False)
     pool = HttpPool()
     try:
-        for _ in range(3):
-            r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
-            assert await r.aread() == b"{}"
-        # Every reuse was closed unanswered and sent again on a new connection.
-        assert pool.connects == 3
+        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", pool
     finally:
         await pool.aclose()
         srv.close()
         await srv.wait_closed()
 
 
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def test_a_body_cut_short_is_an_error_not_a_short_answer() -> None:
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"y" * 40
+    async with raw_server(reply, close_after_s=0.05) as (base, pool):
+        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+        assert await r.next_chunk() == b"y" * 40
+        with pytest.raises(UpstreamError) as cut:
+            await r.next_chunk()
+        assert cut.value.stage == "read"
+        assert pool.idle() == 0
+
+
+async def test_a_connection_the_worker_closed_while_idle_is_dropped() -> None:
+    async with raw_server(OK, close_after_s=0.05) as (base, pool):
+        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+        assert await r.aread() == b"{}"
+        assert pool.idle() == 1
+        await asyncio.sleep(0.3)  # the server closed it meanwhile
+        r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+        assert await r.aread() == b"{}"
+        assert pool.connects == 2
+
+
+async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_once_on_a_new_one() -> (
+    None
+):
+    async with raw_server(OK) as (base, pool):
+        for _ in range(3):
+            r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
+            assert await r.aread() == b"{}"
+        # Every reuse was closed unanswered and sent again on a new connection.
+        assert pool.connects == 3
+
+
 async def test_a_worker_gone_after_taking_the_request_keeps_the_read_error() -> None:
-    srv, base = await closing_on_reuse_server(stop_listening=True)
-    pool = HttpPool()
-    try:
+    async with raw_server(OK, gone_on_reuse=True) as (base, pool):
         r = await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
         assert await r.aread() == b"{}"
         with pytest.raises(UpstreamError) as lost:
             await pool.post(f"{base}/x", b"{}", JSON, Timeouts())
         # Not a connect error: the dispatcher must know the request may have been taken.
         assert lost.value.stage == "read"
-    finally:
-        await pool.aclose()
-        srv.close()
-        await srv.wait_closed()
