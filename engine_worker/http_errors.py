@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine_worker.protocol import ApiError
 
-__all__ = ["error_response", "install_error_handlers"]
+__all__ = ["api_error_response", "error_response", "install_error_handlers"]
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -31,6 +31,11 @@ _STATUS_TYPES = {
     422: "invalid_request_error",
     503: "service_unavailable",
 }
+
+
+def api_error_response(exc: ApiError) -> JSONResponse:
+    """The response of a raised :class:`ApiError` (its status, body and headers)."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def error_response(status: int, message: str, **kw: Any) -> JSONResponse:
@@ -50,7 +55,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

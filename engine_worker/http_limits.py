@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BearerAuthMiddleware", "BodyLimitMiddleware", "bearer_ok"]
+__all__ = ["BearerAuthMiddleware", "BodyLimitMiddleware", "bearer_ok", "replay_body"]
 
 
 class BodyLimitMiddleware:
@@ -50,23 +50,27 @@ class BodyLimitMiddleware:
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
     async def _refuse(self, send: Send) -> None:
         await send_error(
             send, 413, f"request body over {self.max_bytes} bytes", "invalid_request_error",
             "body_too_large", close=True,
         )  # fmt: skip
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with the request body, already read, handed out once more first."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def bearer_ok(authorization: str, tokens: Sequence[bytes]) -> bool:

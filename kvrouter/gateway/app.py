@@ -23,11 +23,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.types import Receive, Scope, Send
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
-from engine_worker.http_errors import install_error_handlers
-from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
+from engine_worker.http_errors import api_error_response, install_error_handlers
+from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware, replay_body
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
@@ -231,6 +232,8 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         return await response if inspect.isawaitable(response) else response
 
     app.add_exception_handler(RequestValidationError, counted_invalid)
+    # Innermost: after the body limit and the auth check, before FastAPI's routing.
+    app.add_middleware(DirectRoutes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     # Outermost: an unauthenticated client gets its 401 before any byte of its body is read.
     app.add_middleware(
@@ -286,6 +289,72 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+#: The routes :class:`DirectRoutes` serves: path -> (endpoint label, request model).
+_DIRECT: dict[str, tuple[str, type[CompletionRequest] | type[ChatCompletionRequest]]] = {
+    "/v1/completions": ("completions", CompletionRequest),
+    "/v1/chat/completions": ("chat", ChatCompletionRequest),
+}
+
+
+class DirectRoutes:
+    """The two generation routes, served without FastAPI's routing layers when they can be.
+
+    FastAPI's per-request work (route matching, dependency solving, its body parsing)
+    was about a quarter of a millisecond of the gateway's ~1.5 ms overhead on a short
+    request. A POST to ``/v1/completions`` or ``/v1/chat/completions`` whose body is a
+    JSON object (content type JSON, or none, as FastAPI reads it) that validates
+    against the request model goes straight to the same handler, with the same
+    parsed body, here. Anything else goes on to the FastAPI routes unchanged, so
+    every error a malformed request gets, and the OpenAPI schema, stay FastAPI's.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _DIRECT.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST" or not _json_content(scope):
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        endpoint, model = route
+        try:
+            raw = json.loads(body)
+            parsed = model.model_validate(raw) if isinstance(raw, dict) else None
+        except (ValueError, ValidationError):
+            parsed = None
+        if parsed is None:
+            await self.app(scope, replay_body(body, receive), send)
+            return
+        request = Request(scope, receive)
+        request._body, request._json = body, raw  # what FastAPI leaves on its Request
+        gw: Gateway = scope["state"]["gateway"]
+        try:
+            response = await _handle(gw, endpoint, scope["path"], parsed, request)
+        except ApiError as exc:
+            response = api_error_response(exc)
+        await response(scope, receive, send)
+
+
+def _json_content(scope: Scope) -> bool:
+    """Whether FastAPI would read the body as JSON: no content type, or a JSON one."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media: bytes = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or (
+                media.startswith(b"application/") and media.endswith(b"+json")
+            )
+    return True
 
 
 def _request_id(request: Request) -> str:

@@ -162,6 +162,35 @@ def test_bad_input_gets_openai_errors(
     wait_unloaded(cluster)
 
 
+@pytest.mark.parametrize(
+    ("content_type", "body", "status"),
+    [
+        (None, {"model": MODEL, "prompt": "hello", "max_tokens": 2}, 200),
+        ("application/json; charset=utf-8", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, 200),
+        ("application/vnd.api+json", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, 200),
+        # Not JSON by its content type: FastAPI does not parse it, and neither do we.
+        ("text/plain", {"model": MODEL, "prompt": "hello", "max_tokens": 2}, 400),
+        ("application/json", [{"model": MODEL, "prompt": "hello"}], 400),
+        ("application/json", {"model": MODEL}, 400),
+    ],
+)
+def test_generation_routes_read_bodies_as_fastapi_does(
+    cluster: Cluster, content_type: str | None, body: Any, status: int
+) -> None:
+    """The direct path for valid bodies and FastAPI's routes agree on what a body is."""
+    headers = {"authorization": "Bearer sk-test"}
+    if content_type:
+        headers["content-type"] = content_type
+    r = httpx.post(f"{cluster.gateway}/v1/completions", content=json.dumps(body).encode(),
+                   headers=headers, timeout=60)  # fmt: skip
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["choices"][0]["text"]
+    else:
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    wait_unloaded(cluster)
+
+
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", "sk-test"])
 def test_bad_or_missing_api_key_is_refused(cluster: Cluster, auth: str | None) -> None:
     headers = {"authorization": auth} if auth else {}
