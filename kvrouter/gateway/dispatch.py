@@ -66,7 +66,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        http: HttpPool,
+        pool: HttpPool,
         directory: WorkerDirectory,
         load: LoadTracker,
         metrics: RouterMetrics,
@@ -76,7 +76,7 @@ class Dispatcher:
         first_byte_timeout_s: float = 300.0,
         internal_token: str | None = None,
     ) -> None:
-        self.http = http
+        self.pool = pool
         self.directory = directory
         self.load = load
         self.metrics = metrics
@@ -134,7 +134,7 @@ class Dispatcher:
         whole: bool,
     ) -> Upstream:  # fmt: skip
         try:
-            resp = await self.http.post(url, body, headers, self.timeouts)
+            resp = await self.pool.post(url, body, headers, self.timeouts)
         except UpstreamError as exc:
             if exc.stage == "read":
                 _started(exc, whole)

@@ -105,9 +105,6 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError("read", f"invalid HTTP from the worker: {exc}"))
 
-    def eof_received(self) -> bool | None:
-        return None  # close the transport: connection_lost follows
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._can_write.set()
