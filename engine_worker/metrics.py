@@ -39,6 +39,11 @@ class WorkerMetrics:
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens received", namespace=ns, registry=registry
         )
+        self.prompt_ids = Counter(
+            "prompt_ids", "Prompts by where their token ids came from: tokenized here, or "
+            "sent tokenized (tokenized_prompt) and used, or ignored for another tokenizer",
+            ["source"], namespace=ns, registry=registry,
+        )  # fmt: skip
         self.generation_tokens = Counter(
             "generation_tokens", "Tokens generated", namespace=ns, registry=registry
         )

@@ -3,8 +3,10 @@
 Only what kvrouter serves: completions and chat completions (n=1), SSE
 streaming, ``usage`` with ``prompt_tokens_details.cached_tokens`` plus our
 extension ``cached_tokens_by_medium``, and the PD extension
-``kv_transfer_params``. Unknown fields are ignored, as OpenAI's clients send
-many. Errors are OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+``kv_transfer_params``, and the gateway's ``tokenized_prompt`` (the prompt's token
+ids, so the worker does not tokenize it again). Unknown fields are ignored, as
+OpenAI's clients send many. Errors are OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "PromptTokensDetails",
+    "TokenizedPrompt",
     "Usage",
     "error_body",
     "new_id",
@@ -53,6 +56,20 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class TokenizedPrompt(_Lenient):
+    """``tokenized_prompt``: the prompt's token ids, computed by the sender (our gateway).
+
+    A worker uses ``ids`` instead of tokenizing the prompt (rendering the chat) itself
+    only when ``tokenizer`` equals its own tokenizer's fingerprint
+    (``Tokenizer.fingerprint``: the tokenizer, its BOS/EOS tokens and chat template);
+    otherwise it ignores them. The ids' bounds are checked by the worker against its
+    vocabulary (a per-id check here would cost more than the tokenizing it saves).
+    """
+
+    tokenizer: Annotated[str, Field(min_length=1, max_length=64)]
+    ids: Annotated[list[int], Field(min_length=1)]
+
+
 class _SamplingFields(_Lenient):
     model: Annotated[str, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -69,6 +86,7 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    tokenized_prompt: TokenizedPrompt | None = None
 
     @field_validator("stop")
     @classmethod

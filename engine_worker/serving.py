@@ -107,11 +107,31 @@ def _check_model(worker: Worker, model: str) -> None:
         )
 
 
+def _sent_ids(worker: Worker, body: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
+    """The request's ``tokenized_prompt`` ids when they are this worker's to use, else None.
+
+    Used only when the sender tokenized with the same tokenizer and chat template
+    (equal fingerprints); an id outside the vocabulary is the sender's error (400).
+    """
+    sent = body.tokenized_prompt
+    if sent is None:
+        worker.metrics.prompt_ids.labels("tokenized").inc()
+        return None
+    if sent.tokenizer != worker.tokenizer.fingerprint:
+        worker.metrics.prompt_ids.labels("ignored").inc()
+        return None
+    vocab = worker.tokenizer.vocab_size
+    if min(sent.ids) < 0 or max(sent.ids) >= vocab:
+        raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokenized_prompt")
+    worker.metrics.prompt_ids.labels("sent").inc()
+    return sent.ids
+
+
 def prepare_completion(worker: Worker, body: CompletionRequest) -> Prepared:
     """Validate a completions request against this worker; raise ApiError when it cannot run."""
     _check_model(worker, body.model)
     if isinstance(body.prompt, str):
-        ids = worker.tokenizer.encode(body.prompt)
+        ids = _sent_ids(worker, body) or worker.tokenizer.encode(body.prompt)
         echo = body.prompt
     else:
         ids = list(body.prompt)  # type: ignore[arg-type]
@@ -145,13 +165,15 @@ def prepare_chat(worker: Worker, body: ChatCompletionRequest) -> Prepared:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     from engine_worker.chat_template import ChatTemplateError
 
-    try:
-        text = worker.chat_template.render(
-            body.template_messages(), add_generation_prompt=body.add_generation_prompt
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"cannot render the chat: {exc}", param="messages") from exc
-    ids = worker.tokenizer.encode(text, add_special_tokens=False)
+    ids = _sent_ids(worker, body)
+    if ids is None:
+        try:
+            text = worker.chat_template.render(
+                body.template_messages(), add_generation_prompt=body.add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"cannot render the chat: {exc}", param="messages") from exc
+        ids = worker.tokenizer.encode(text, add_special_tokens=False)
     return _with_pd(
         Prepared(
             request_id=new_id("chatcmpl"),

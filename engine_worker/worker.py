@@ -84,6 +84,8 @@ class Worker:
             self.chat_template: ChatTemplate | None = ChatTemplate.for_tokenizer(tokenizer)
         except ChatTemplateError:
             self.chat_template = None
+        # Computed now, not on the first request: the gateway sends it (tokenized_prompt).
+        log.info("tokenizer fingerprint %s", tokenizer.fingerprint)
         self.pool = pool
         self.storage = storage
         self.scheduler = scheduler

@@ -281,3 +281,69 @@ def test_malformed_json_and_oversized_bodies(worker_url: str) -> None:
     )
     assert bad_chat.status_code == 400
     wait_idle(worker_url)
+
+
+def _prompt_ids_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(r'^kvworker_prompt_ids_total\{source="(\w+)"\} (\S+)$', text, re.M)
+    return {source: float(n) for source, n in found}
+
+
+def test_a_prompt_sent_tokenized_is_computed_from_the_sent_ids(worker_url: str) -> None:
+    """The gateway's ``tokenized_prompt`` replaces the worker's own tokenizing when the
+    tokenizers match; the answer then follows those ids, not the text beside them."""
+    from engine_worker.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    other = "The capital of France is"
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    want = post(worker_url, "/v1/completions", {**base, "prompt": other}).json()
+    before = _prompt_ids_counts(worker_url)
+    sent = {"tokenizer": tok.fingerprint, "ids": tok.encode(other)}
+    got = post(worker_url, "/v1/completions", {**base, "prompt": "Hello", "tokenized_prompt": sent})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got.json()["usage"]["prompt_tokens"] == len(sent["ids"])
+    # The chat route renders nothing either: the ids stand for the rendered chat.
+    chat = post(worker_url, "/v1/chat/completions", {
+        **base, "messages": [{"role": "user", "content": "Hi"}], "tokenized_prompt": sent,
+    })  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    after = _prompt_ids_counts(worker_url)
+    assert after.get("sent", 0) - before.get("sent", 0) == 2
+    wait_idle(worker_url)
+
+
+def test_ids_from_another_tokenizer_are_ignored(worker_url: str) -> None:
+    from engine_worker.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0, "prompt": "Hello"}
+    want = post(worker_url, "/v1/completions", base).json()
+    before = _prompt_ids_counts(worker_url)
+    sent = {"tokenizer": "0" * 16, "ids": tok.encode("The capital of France is")}
+    got = post(worker_url, "/v1/completions", {**base, "tokenized_prompt": sent})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got.json()["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    after = _prompt_ids_counts(worker_url)
+    assert after.get("ignored", 0) - before.get("ignored", 0) == 1
+    assert after.get("sent", 0) == before.get("sent", 0)
+    wait_idle(worker_url)
+
+
+@pytest.mark.parametrize(
+    "ids", [[1, 2, 10**9], [-1, 5], []], ids=["past the vocabulary", "negative", "empty"]
+)
+def test_bad_sent_ids_get_a_400(worker_url: str, ids: list[int]) -> None:
+    from engine_worker.tokenizer import load_tokenizer
+
+    body = {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 2,
+        "tokenized_prompt": {"tokenizer": load_tokenizer(MODEL).fingerprint, "ids": ids},
+    }  # fmt: skip
+    r = post(worker_url, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert "tokenized_prompt" in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+    wait_idle(worker_url)
