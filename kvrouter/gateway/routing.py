@@ -69,6 +69,8 @@ class Routed:
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     worker: str = ""
     plan: PdPlan | None = None
+    #: The prompt's token ids, as the workers compute them.
+    ids: list[int] = field(default_factory=list)
 
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen worker still has to prefill."""
@@ -109,6 +111,19 @@ class Router:
         self.index_ok = index is not None
         self._roots: dict[tuple[str, str], int] = {}
         metrics.cache_aware.set(1 if self.index_ok else 0)
+
+    def tokenized_prompt(
+        self, body: CompletionRequest | ChatCompletionRequest, ids: list[int]
+    ) -> dict[str, Any] | None:
+        """The ``tokenized_prompt`` field that spares the worker tokenizing ``body`` again.
+
+        None when the prompt came as token ids (nothing to spare) or there are none.
+        """
+        mt = self.models.get(body.model)
+        text = isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str)
+        if mt is None or not ids or not text:
+            return None
+        return {"tokenizer": mt.tokenizer.fingerprint, "ids": ids}
 
     def tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """Token ids of the request's prompt, exactly as the worker will compute them."""
@@ -251,7 +266,7 @@ class Router:
             self.metrics.decision.labels(stage).observe(seconds)
         return Routed(
             out.decision, req, len(ids), matches is not None, timings, matches or {},
-            out.worker, out.plan,
+            out.worker, out.plan, ids,
         )  # fmt: skip
 
     async def _lookup(self, keys: list[int]) -> dict[str, PrefixMatch] | None:

@@ -244,3 +244,45 @@ def test_metrics_cover_decisions_ttft_and_health(cluster: Cluster, client: opena
         'kvrouter_requests_total{endpoint="completions",policy="kv_ttft",status="200"}',
     ):
         assert name in text, name
+
+
+def _prompt_ids_counts(cluster: Cluster) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for url in cluster.workers.values():
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("kvworker_prompt_ids_total{"):
+                source = line.split('"')[1]
+                out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_workers_get_the_prompt_tokenized_and_answer_as_if_they_had_tokenized_it(
+    cluster: Cluster, client: openai.OpenAI
+) -> None:
+    """The gateway tokenized the prompt to route it; the worker uses those ids instead of
+    tokenizing again, with the same answer, and never ids a client put in the body."""
+    worker = next(iter(cluster.workers.values()))
+    req: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    prompt, messages = "Once upon a time", [{"role": "user", "content": "Name a colour"}]
+    direct = httpx.post(f"{worker}/v1/completions", json={**req, "prompt": prompt}).json()
+    direct_chat = httpx.post(
+        f"{worker}/v1/chat/completions", json={**req, "messages": messages}
+    ).json()
+    before = _prompt_ids_counts(cluster)
+    comp = client.completions.create(prompt=prompt, **req)
+    chat = client.chat.completions.create(messages=messages, **req)  # type: ignore[arg-type]
+    assert comp.choices[0].text == direct["choices"][0]["text"]
+    assert chat.choices[0].message.content == direct_chat["choices"][0]["message"]["content"]
+    # A client's own tokenized_prompt (the right fingerprint, other ids) is dropped.
+    from engine_worker.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    forged = {"tokenizer": tok.fingerprint, "ids": tok.encode("The capital of France is")}
+    again = client.completions.create(prompt=prompt, extra_body={"tokenized_prompt": forged}, **req)
+    assert again.choices[0].text == direct["choices"][0]["text"]
+    assert again.usage is not None
+    assert again.usage.prompt_tokens == len(tok.encode(prompt))
+    after = _prompt_ids_counts(cluster)
+    assert after.get("sent", 0) - before.get("sent", 0) == 3
+    assert after.get("tokenized", 0) == before.get("tokenized", 0)
+    wait_unloaded(cluster)
