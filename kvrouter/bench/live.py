@@ -34,6 +34,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -46,7 +47,7 @@ from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 
-__all__ = ["LiveResult", "cluster_views", "replay_live"]
+__all__ = ["LiveResult", "cluster_views", "replay_live", "served_by_medium"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,19 @@ async def _busy(http: httpx.AsyncClient, urls: Mapping[str, str]) -> dict[str, f
     return out
 
 
+def served_by_medium(by: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A worker's ``cached_tokens_by_medium`` as a record's (hbm, dram, ssd) tokens.
+
+    Tokens pulled from a peer (``remote``, cross-node pooling) count as HBM hits, as the
+    offline simulator counts them: the blocks land in the worker's HBM before its
+    prefill, and the prompt's ``cached_tokens`` includes them. Leaving them out made a
+    pooling router's live hit rate look lower than the simulator's for the same
+    choices.
+    """
+    hbm = int(by.get("hbm", 0)) + int(by.get("remote", 0))
+    return hbm, int(by.get("dram", 0)), int(by.get("ssd", 0))
+
+
 def _pd_handoff(header: str | None) -> tuple[str, tuple[int, int, int]] | None:
     """From a decision header: the worker that prefilled a split request and what its
     cache served (hbm, dram, ssd); None when the request was not handed off."""
@@ -103,10 +117,9 @@ def _pd_handoff(header: str | None) -> tuple[str, tuple[int, int, int]] | None:
     try:
         pd = json.loads(header).get("pd") or {}
         host = pd.get("prefilled_on")
-        by = pd.get("prefill_cached_tokens_by_medium") or {}
         if not isinstance(host, str):
             return None
-        return host, (int(by.get("hbm", 0)), int(by.get("dram", 0)), int(by.get("ssd", 0)))
+        return host, served_by_medium(pd.get("prefill_cached_tokens_by_medium") or {})
     except (ValueError, TypeError, AttributeError):
         return None
 
@@ -134,8 +147,7 @@ async def _one(
             usage = chunk.get("usage")
             if usage:
                 rec.output_tokens = usage["completion_tokens"]
-                by = usage.get("cached_tokens_by_medium") or {}
-                rec.cached_tokens = (by.get("hbm", 0), by.get("dram", 0), by.get("ssd", 0))
+                rec.cached_tokens = served_by_medium(usage.get("cached_tokens_by_medium") or {})
         rec.finish_s = time.perf_counter() - t0
     if handoff is not None:
         rec.prefill_worker, rec.cached_tokens = handoff

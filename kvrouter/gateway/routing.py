@@ -300,6 +300,7 @@ class Router:
             "cache_aware": routed.cache_aware,
             "predicted_ttft_s": d.predicted_ttft_s,
             "matched_blocks": d.matched_blocks,
+            "kv_source": d.kv_source,
             "prompt_tokens": routed.prompt_tokens,
             "scores": {h: d.scores.get(h, {}) for h in ranked},
             "timings_s": routed.timings,
