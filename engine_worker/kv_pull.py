@@ -14,7 +14,8 @@ leaves the windows imported so far (each a valid prefix) and raises
 :class:`~engine_worker.kv_transfer.TransferError`: the caller computes what is
 missing. Every pull is timed end to end (from asking the pool what it lacks to
 the blocks cached) and folded into the worker's transfer bandwidth, which its
-heartbeat publishes.
+heartbeat publishes; a ``sim`` worker's pulls take and publish modeled time
+instead (:class:`ModeledTransfer`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from engine_worker.transfer_stat import TransferStat
 if TYPE_CHECKING:
     from engine_worker.tiers import TierStorage
 
-__all__ = ["KvPuller", "PullResult"]
+__all__ = ["KvPuller", "ModeledTransfer", "PullResult"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,27 @@ class PullResult:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class ModeledTransfer:
+    """How a ``sim`` worker's pulls take time: its blocks are placeholders of a few
+    bytes, so timing them would publish a bandwidth that prices the profile's real KV
+    bytes (~128 KiB per token for Llama-3-8B) thousands of times too slow. Instead a
+    pull lasts what the profile's bytes take at ``bandwidth``, times ``time_scale`` (as
+    its steps do), and the worker publishes ``bandwidth`` over ``time_scale`` (a
+    bandwidth in wall time, as its published profile is), as the offline simulator
+    moves KV.
+
+    Attributes:
+        kv_bytes_per_token: The profile's KV bytes per token.
+        bandwidth: Modeled bytes/s of a pull.
+        time_scale: Wall seconds per modeled second (the worker's ``time_scale``).
+    """
+
+    kv_bytes_per_token: int
+    bandwidth: float
+    time_scale: float
+
+
 class KvPuller:
     """Pulls blocks into one worker's pool (see the module docstring)."""
 
@@ -89,8 +111,10 @@ class KvPuller:
         metrics: WorkerMetrics,
         token: str | None,
         timeout_s: float = 30.0,
+        modeled: ModeledTransfer | None = None,
     ) -> None:
         self.engine = engine
+        self.modeled = modeled
         self.storage = storage
         self.model = model
         self.block_size = block_size
@@ -159,8 +183,18 @@ class KvPuller:
             log.warning("pull of %d blocks from %s refused: %s", len(keys), source_url, exc)
             raise
         seconds = time.perf_counter() - started
-        if received:
+        if received and self.modeled is not None:
+            # Placeholder blocks: take, and publish, the time the modeled bytes would.
+            size = pulled * self.block_size * self.modeled.kv_bytes_per_token
+            modeled = size / self.modeled.bandwidth
+            wait = modeled * self.modeled.time_scale - seconds
+            if wait > 0:
+                await asyncio.sleep(wait)
+                seconds += wait
+            self.stat.add(size, modeled * (self.modeled.time_scale or 1.0))
+        elif received:
             self.stat.add(received, seconds)
+        if received:
             self.metrics.transfer_bytes.labels("received").inc(received)
             self.metrics.transfer_blocks.labels("received").inc(pulled)
         return PullResult(len(keys), present, pulled, received, seconds)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from indexer.profile import DEFAULT_TRANSFER_BANDWIDTH
 from indexer.views import Role
 
 __all__ = ["WorkerSettings"]
@@ -45,6 +46,12 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool = True
     profile: str = Field("", description="sim runner: timing profile name or JSON path")
     time_scale: float = Field(1.0, ge=0.0, description="sim runner: multiply modeled step times")
+    sim_transfer_bandwidth: float = Field(
+        DEFAULT_TRANSFER_BANDWIDTH,
+        gt=0,
+        description="sim runner: modeled bytes/s of KV pulls from peers (its blocks are "
+        "placeholders: a pull takes the profile's KV bytes over this, times time_scale)",
+    )
     sim_vocab_size: int = Field(49152, ge=2)
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(5.0, gt=0)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
-from engine_worker.kv_pull import KvPuller
+from engine_worker.kv_pull import KvPuller, ModeledTransfer
 from engine_worker.kv_socket import KvSocketServer
 from engine_worker.kv_transfer import Outgoing, TransferHeader, export_pinned
 from engine_worker.metrics import WorkerMetrics
@@ -115,6 +115,13 @@ class Worker:
             block_size=self.block_size,
             metrics=metrics,
             token=token.get_secret_value() if token is not None else None,
+            modeled=ModeledTransfer(
+                runner.profile().kv_bytes_per_token,
+                settings.sim_transfer_bandwidth,
+                settings.time_scale,
+            )
+            if settings.runner == "sim"
+            else None,
         )
         self.leases = Leases()
         self.kv_server = KvSocketServer(
@@ -417,8 +424,18 @@ class Worker:
             m.preemptions.inc(len(record.plan.preempted))
 
     def profile(self) -> TimingProfile:
-        """The timing profile this worker publishes."""
-        return self.runner.profile()
+        """The timing profile this worker publishes.
+
+        A ``sim`` worker's steps take its modeled times ``time_scale`` times over, so it
+        publishes the profile slowed by that scale: routers then predict in the wall-clock
+        time of their own books (routing rates, pulls in flight). At ``time_scale`` 0
+        nothing is modeled in wall time, and it publishes the model's own profile.
+        """
+        profile = self.runner.profile()
+        scale = self.settings.time_scale
+        if self.settings.runner == "sim" and scale > 0:
+            return profile.slowed(scale)
+        return profile
 
     def load_bandwidth(self) -> dict[Medium, float]:
         """Measured bandwidth (bytes/s) moving KV into HBM, per medium, where measured."""

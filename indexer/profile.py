@@ -27,7 +27,13 @@ import msgspec
 
 from indexer.media import Medium
 
-__all__ = ["TimingProfile"]
+__all__ = ["DEFAULT_TRANSFER_BANDWIDTH", "TimingProfile"]
+
+#: Bytes/s assumed for moving KV between workers until a worker has measured its own
+#: pulls (and modeled by ``sim`` workers, whose blocks are placeholders): one 100 Gb/s
+#: RDMA NIC (12.5 GB/s), the per-NIC link of Mooncake's transfer engine deployments
+#: (FAST'25, section 4) and of common H100 nodes' scale-out networks.
+DEFAULT_TRANSFER_BANDWIDTH = 12.5e9
 
 
 class TimingProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,3 +108,28 @@ class TimingProfile(msgspec.Struct, frozen=True, kw_only=True):
         if bw is None or num_tokens <= 0:
             return 0.0
         return num_tokens * self.kv_bytes_per_token / bw
+
+    def slowed(self, factor: float) -> TimingProfile:
+        """This profile on hardware ``factor`` times slower: every duration times ``factor``
+        (bandwidths divided by it). A ``sim`` worker running at ``time_scale`` publishes
+        its profile slowed by that scale, so that routers predict in the wall-clock time
+        they keep their own books in.
+
+        Raises:
+            ValueError: ``factor`` is not finite and positive.
+        """
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be finite and positive, got {factor}")
+        if factor == 1:
+            return self
+        p0, p1, p2, p3 = self.prefill
+        d0, d1, d2 = self.decode
+        return TimingProfile(
+            name=f"{self.name} x{factor:g}",
+            prefill=(p0 * factor, p1 * factor, p2 * factor, p3 * factor),
+            decode=(d0 * factor, d1 * factor, d2 * factor),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            load_bandwidth={m: bw / factor for m, bw in self.load_bandwidth.items()},
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            source=self.source,
+        )

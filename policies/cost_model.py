@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from indexer.media import Medium
-from indexer.profile import TimingProfile
+from indexer.profile import DEFAULT_TRANSFER_BANDWIDTH, TimingProfile
 from indexer.views import PrefixMatch, WorkerView
 
 __all__ = [
@@ -190,12 +190,6 @@ def prefill_seconds(
         total += profile.step_seconds([(n, cached_tokens + done)], decode_batch, decode_kv_tokens)
         done += n
     return total
-
-
-#: Bytes/s assumed for moving KV between workers until a worker has measured its own
-#: pulls: one 100 Gb/s RDMA NIC (12.5 GB/s), the per-NIC link of Mooncake's transfer
-#: engine deployments (FAST'25, section 4) and of common H100 nodes' scale-out networks.
-DEFAULT_TRANSFER_BANDWIDTH = 12.5e9
 
 
 def pull_seconds(view: WorkerView, profile: TimingProfile, tokens: int) -> float:

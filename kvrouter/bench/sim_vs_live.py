@@ -16,9 +16,10 @@ workers (hosts ``p0``..., ``d0``..., as the simulator names them) and the
 gateway splits with ``--pd``; the slice has long prompts (a 2K shared system
 prompt and 1K user turns), so prefill is substantial. A split request's hit is
 what the prefill worker's cache served (the live replay reads it from the
-gateway's decision header). The live ``sim`` workers move block metadata
-only, so a hand-off costs them no transfer time: the simulator is given the
-same free transfers unless ``--transfer-gbps`` says otherwise.
+gateway's decision header). The live ``sim`` workers move placeholder
+blocks and take the modeled time of the profile's KV bytes at
+``--transfer-gbps`` (default 12.5, as the simulator's default); the simulator
+moves KV at the same bandwidth.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from indexer.profile import DEFAULT_TRANSFER_BANDWIDTH
 from kvrouter.bench.live import LiveResult, replay_live
 from kvrouter.bench.report import PolicySummary, RequestRecord, render_table, summarize
 from kvrouter.bench.simulator import SimConfig, simulate, trace_oracle
@@ -49,7 +51,6 @@ from kvrouter.embedded_redis import EmbeddedRedis, free_port
 from kvrouter.gateway.pd import PdMode
 from kvrouter.policy_factory import build_policy
 from kvrouter.supervisor import Supervisor
-from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
 __all__ = ["Cluster", "Comparison", "compare", "main", "pd_slice", "trace_slice"]
 
@@ -61,10 +62,6 @@ PD_TIERS = {"hbm": 2048, "dram": 4096, "ssd": 0}
 STEP_BUDGET = 8192
 MAX_SEQS = 256
 HEARTBEAT_S = 1.0
-#: Bytes/s of the simulator's KV transfers when they should be free (the live ``sim``
-#: workers move no KV bytes): 1 PB/s, a 6K-token Llama-3-8B prompt in under a microsecond.
-FREE_TRANSFER = 1e15
-
 _PD_LINE = re.compile(
     r'^kvrouter_pd_(requests|fallbacks)_total\{\w+="(\w+)"\} ([0-9.eE+-]+)$', re.M
 )
@@ -126,15 +123,22 @@ def _gateway_pd_counts(url: str) -> dict[str, float]:
 
 
 def run_live(
-    trace: list[TraceRecord], time_scale: float, cluster: Cluster | None = None
+    trace: list[TraceRecord],
+    time_scale: float,
+    cluster: Cluster | None = None,
+    transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH,
 ) -> tuple[LiveResult, dict[str, float]]:
-    """Replay on a real cluster of sim workers behind the gateway; also the gateway's PD
-    counters (empty without PD)."""
+    """Replay on a real cluster of sim workers behind the gateway (their KV pulls modeled
+    at ``transfer_bandwidth``); also the gateway's PD counters (empty without PD)."""
     spec = cluster or Cluster()
     tiers = dict(spec.tiers)
     py = [sys.executable, "-m", "kvrouter"]
     with EmbeddedRedis() as redis, tempfile.TemporaryDirectory() as logs:
-        sup = Supervisor(Path(logs), env={"KVWORKER_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S)})
+        env = {
+            "KVWORKER_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+            "KVWORKER_SIM_TRANSFER_BANDWIDTH": repr(transfer_bandwidth),
+        }
+        sup = Supervisor(Path(logs), env=env)
         try:
             iport = free_port()
             children = [
@@ -228,10 +232,11 @@ def compare(
     *,
     time_scale: float = 1.0,
     seed: int = 1,
-    transfer_bandwidth: float = FREE_TRANSFER,
+    transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH,
 ) -> Comparison:
-    """Replay ``trace`` live on ``cluster`` and offline on its twin, both with ``kv_ttft``."""
-    live, counts = run_live(trace, time_scale, cluster)
+    """Replay ``trace`` live on ``cluster`` and offline on its twin, both with ``kv_ttft``
+    and KV moving at ``transfer_bandwidth``."""
+    live, counts = run_live(trace, time_scale, cluster, transfer_bandwidth)
     live_summary = summarize("live kv_ttft", live.records, live.busy_s, live.oracle)
     config = cluster.sim_config(time_scale, seed, transfer_bandwidth)
     sim = simulate(trace, build_policy("kv_ttft", seed=seed), config)
@@ -285,9 +290,9 @@ def main() -> None:
     ap.add_argument("--decode-workers", type=int, default=2)
     ap.add_argument("--session-rate", type=float, default=1.0,
                     help="--pd: sessions started per second")  # fmt: skip
-    ap.add_argument("--transfer-gbps", type=float, default=None,
-                    help="--pd: the simulator's KV transfer bandwidth (default: free, as the "
-                    "live sim workers' transfers)")  # fmt: skip
+    ap.add_argument("--transfer-gbps", type=float, default=DEFAULT_TRANSFER_BANDWIDTH / 1e9,
+                    help="KV transfer bandwidth, modeled by the live sim workers and the "
+                    "simulator alike (default: 12.5)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     console = Console(width=170)
@@ -297,8 +302,7 @@ def main() -> None:
             workers=0, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
             pd=args.pd, tiers=tuple(PD_TIERS.items()),
         )  # fmt: skip
-        gbps = args.transfer_gbps
-        bandwidth = FREE_TRANSFER if gbps is None else gbps * 1e9
+        bandwidth = args.transfer_gbps * 1e9
         c = compare(trace, cluster, time_scale=args.time_scale, seed=args.seed,
                     transfer_bandwidth=bandwidth)  # fmt: skip
         render_pd(c, console)
@@ -310,9 +314,9 @@ def main() -> None:
             args.json.write_text(json.dumps(c.to_json(), indent=2))
         return
     trace = trace_slice(args.seed, args.sessions or 60)
-    live, _ = run_live(trace, args.time_scale)
+    live, _ = run_live(trace, args.time_scale, transfer_bandwidth=args.transfer_gbps * 1e9)
     live_summary = summarize("live kv_ttft", live.records, live.busy_s, live.oracle)
-    config = Cluster().sim_config(args.time_scale, args.seed, DEFAULT_TRANSFER_BANDWIDTH)
+    config = Cluster().sim_config(args.time_scale, args.seed, args.transfer_gbps * 1e9)
     sim = simulate(trace, build_policy("kv_ttft", seed=args.seed), config)
     sim_summary = summarize("offline kv_ttft", sim.records, sim.busy_s, trace_oracle(trace, config))
     render_table([sim_summary, live_summary], console, title="offline simulator vs online replay")

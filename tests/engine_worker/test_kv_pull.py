@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import redis
 from starlette.applications import Starlette
@@ -18,11 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engine_worker.profiles import default_profile
 from engine_worker.server import create_app
 from engine_worker.settings import WorkerSettings
 from indexer.events import BlockStored, EventBatch, decode_message
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
+from indexer.profile import TimingProfile
 from indexer.wire import EVENT_FIELD, Keyspace
 from tests.support.redis_proc import free_port
 from tests.support.servers import serve_app
@@ -218,6 +221,32 @@ def test_a_tampered_transfer_is_refused_and_leaves_nothing_behind(
     assert r.json()["pulled"] == len(keys)
     assert set(keys) <= hbm_keys(b)
     assert in_use(b) == 0
+
+
+def test_a_sim_workers_pull_takes_and_publishes_the_modeled_time() -> None:
+    # Sim blocks are placeholders of a few bytes: timed, they would publish a bandwidth
+    # that prices the profile's real KV bytes thousands of times too slow.
+    prompt = list(range(40, 40 + 64 * 16))
+    keys = block_keys(prompt, 16, root_parent("tiny"))
+    sim = {"runner": "sim", "max_model_len": 2048, "hbm_blocks": 128, "time_scale": 2.0,
+           "sim_transfer_bandwidth": 2e9}  # fmt: skip
+    with workers(settings("src", **sim), settings("dst", **sim)) as (src, dst):
+        complete(src, prompt, max_tokens=1)
+        r = pull(dst, src, keys)
+        assert r.status_code == 200, r.text
+        assert r.json()["pulled"] == 64
+        # Llama-3-8B/H100 profile: 128 KiB of KV per token; 1,024 tokens at 2 GB/s, x2.
+        modeled = 64 * 16 * 131072 / 2e9
+        assert r.json()["seconds"] >= 2 * modeled
+        # Published in wall time, as its profile is: 2 GB/s modeled at time scale 2.
+        assert metric(dst, "kv_transfer_bandwidth_bytes_per_second") == pytest.approx(1e9)
+        view = httpx.get(f"{dst}/worker/view", headers=AUTH, timeout=10).json()
+        assert view["transfer_bandwidth"] == pytest.approx(1e9)
+        # Its steps take twice the modeled time, and so does what it publishes.
+        h100 = default_profile()
+        published = msgspec.convert(view["profile"], TimingProfile)
+        assert published.prefill_seconds(4096) == pytest.approx(2 * h100.prefill_seconds(4096))
+        assert published.decode_seconds(8, 8192) == pytest.approx(2 * h100.decode_seconds(8, 8192))
 
 
 def test_pulled_blocks_are_announced_to_the_index(redis_url: str) -> None:

@@ -71,6 +71,19 @@ def test_load_time_is_bytes_over_bandwidth_and_free_from_hbm() -> None:
     assert PROFILE.load_seconds(1000, Medium.HBM) == 0.0
 
 
+def test_a_slowed_profile_takes_every_duration_that_many_times_longer() -> None:
+    slow = PROFILE.slowed(7.0)
+    assert slow.prefill_seconds(3000, 500) == pytest.approx(7 * PROFILE.prefill_seconds(3000, 500))
+    mixed = PROFILE.step_seconds([(100, 50)], decode_batch=4, decode_kv_tokens=1000)
+    assert slow.step_seconds([(100, 50)], 4, 1000) == pytest.approx(7 * mixed)
+    assert slow.load_seconds(1000, Medium.SSD) == pytest.approx(7 * 1e-2)
+    assert slow.kv_bytes_per_token == PROFILE.kv_bytes_per_token
+    assert PROFILE.slowed(1.0) is PROFILE
+    for bad in (0.0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="factor"):
+            PROFILE.slowed(bad)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
