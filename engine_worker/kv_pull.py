@@ -184,14 +184,16 @@ class KvPuller:
             raise
         seconds = time.perf_counter() - started
         if received and self.modeled is not None:
-            # Placeholder blocks: take, and publish, the time the modeled bytes would.
-            size = pulled * self.block_size * self.modeled.kv_bytes_per_token
-            modeled = size / self.modeled.bandwidth
-            wait = modeled * self.modeled.time_scale - seconds
-            if wait > 0:
-                await asyncio.sleep(wait)
-                seconds += wait
-            self.stat.add(size, modeled * (self.modeled.time_scale or 1.0))
+            # Placeholder blocks: take, and publish, the time the modeled bytes would (a
+            # pull that only released a lease moved no block and says nothing of either).
+            if pulled:
+                size = pulled * self.block_size * self.modeled.kv_bytes_per_token
+                modeled = size / self.modeled.bandwidth
+                wait = modeled * self.modeled.time_scale - seconds
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    seconds += wait
+                self.stat.add(size, modeled * (self.modeled.time_scale or 1.0))
         elif received:
             self.stat.add(received, seconds)
         if received:
