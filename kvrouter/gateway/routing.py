@@ -63,7 +63,6 @@ class Routed:
 
     decision: Decision
     request: RouteRequest
-    prompt_tokens: int
     cache_aware: bool
     timings: dict[str, float] = field(default_factory=dict)
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
@@ -71,6 +70,11 @@ class Routed:
     plan: PdPlan | None = None
     #: The prompt's token ids, as the workers compute them.
     ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens."""
+        return len(self.ids)
 
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen worker still has to prefill."""
@@ -265,7 +269,7 @@ class Router:
         for stage, seconds in timings.items():
             self.metrics.decision.labels(stage).observe(seconds)
         return Routed(
-            out.decision, req, len(ids), matches is not None, timings, matches or {},
+            out.decision, req, matches is not None, timings, matches or {},
             out.worker, out.plan, ids,
         )  # fmt: skip
 
