@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from indexer.keys import block_keys, root_parent
 from indexer.views import PrefixMatch
 from kvrouter.bench.live import cluster_views, served_by_medium
 from tests.kvrouter.test_gateway_pd import metric
+from tests.kvrouter.test_reliability import wait_until
 from tests.support.cluster import Cluster, run_cluster, run_ingester
 
 BLOCK = 16
@@ -51,13 +51,6 @@ async def match(redis_url: str, keys: list[int]) -> dict[str, PrefixMatch]:
         await index.close()
 
 
-def wait_for(check: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Cluster) -> None:
     first = complete(cluster.gateway, [*PREFIX, 7, 8, 9], DEBUG)
     assert first.status_code == 200, first.text
@@ -69,7 +62,7 @@ def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Clust
         matches = asyncio.run(match(cluster.redis_url, keys))
         return holder in matches and matches[holder].blocks == len(keys)
 
-    wait_for(indexed)
+    wait_until(indexed, 20.0)
     # Keep the holder busy with long prompts sent to it directly, and wait until its
     # heartbeat shows the queue the gateway will route around.
     load = [
@@ -84,7 +77,7 @@ def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Clust
             views = asyncio.run(cluster_views(cluster.redis_url))
             return any(v.host == holder and v.queued_prefill_tokens > 3000 for v in views)
 
-        wait_for(queued)
+        wait_until(queued, 20.0)
         received = metric(cluster.workers[other], "kvworker_kv_transfer_blocks_total",
                           'direction="received"')  # fmt: skip
         r = complete(cluster.gateway, [*PREFIX, 4, 5, 6], DEBUG)
