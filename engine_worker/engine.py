@@ -1,10 +1,10 @@
 """The engine loop: one thread owns the scheduler, the pool and the runner.
 
-Everything that touches the scheduler or the block pool runs on that
-thread, so neither needs locks. Other threads (the asyncio server) talk to
-it through a command queue:
+Everything that changes requests runs on that thread. Other threads (the
+asyncio server) talk to it through a command queue:
 
     server coroutine --submit/abort/call--> command queue --> engine thread
+    KV transfers --pool_call--> one side thread, under the scheduler lock
     engine thread --tokens--> per-request asyncio.Queue (call_soon_threadsafe)
     engine thread --load after each step, and after requests come or go--> on_step/on_change
     engine thread --pool events, snapshots--> EventSink (the publisher), in order
@@ -14,6 +14,16 @@ snapshot requests), then plans a step, has the runner execute it, folds
 the result back, delivers tokens, and hands the pool's events to the sink.
 With the ``sim`` runner it also waits out each step's modeled duration
 (times ``time_scale``), so a simulated worker behaves like real hardware.
+
+The thread holds the scheduler lock except while the runner executes a
+step (and the modeled wait). :meth:`EngineLoop.pool_call` runs a function
+under that lock on a side thread, so the pool work of a KV transfer
+(reserve, commit, pin, unpin, leases) waits at most for a step's planning
+or bookkeeping, not for the step itself: on a worker busy with a long
+prefill chunk, a between-steps call waits for the rest of that chunk, which
+made a live pull several times its priced time (issue 13's
+"Everything again" run). Such functions must touch only the pool and
+leases, never the requests a step has planned.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -134,6 +144,9 @@ class EngineLoop:
         self._consumers: dict[str, _Consumer] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Held by the engine thread except while a step executes; pool_call takes it.
+        self._lock = threading.Lock()
+        self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-pool")
         self.steps = 0
         self.error: BaseException | None = None
 
@@ -153,6 +166,7 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._side.shutdown(wait=False)
 
     @property
     def alive(self) -> bool:
@@ -182,6 +196,24 @@ class EngineLoop:
     async def acall(self, fn: Callable[[Scheduler], _T]) -> _T:
         """Awaitable :meth:`call`."""
         return await asyncio.wrap_future(self.call(fn))
+
+    def pool_call(self, fn: Callable[[Scheduler], _T]) -> Future[_T]:
+        """Run ``fn(scheduler)`` once the scheduler is not being changed: between steps
+        or while the runner executes one. For pool and lease work only (see the module
+        docstring); a call cancelled before it runs never runs.
+
+        Raises:
+            RuntimeError: The loop was stopped.
+        """
+        return self._side.submit(self._locked, fn)
+
+    async def apool_call(self, fn: Callable[[Scheduler], _T]) -> _T:
+        """Awaitable :meth:`pool_call`."""
+        return await asyncio.wrap_future(self.pool_call(fn))
+
+    def _locked(self, fn: Callable[[Scheduler], _T]) -> _T:
+        with self._lock:
+            return fn(self.scheduler)
 
     def request_snapshot(self) -> None:
         """Flush pending events, then hand the sink a snapshot of the pool (in that order)."""
@@ -250,53 +282,64 @@ class EngineLoop:
             req.finish_reason = FinishReason.ABORT
             self._deliver(req.request_id, self._event(req, None, None))
 
-    def _drain(self, block: bool) -> None:
+    def _next(self, block: bool) -> _Command | None:
+        """The first pending command, waiting up to ``idle_wait_s`` when ``block``."""
         try:
-            cmd = self._commands.get(timeout=self.idle_wait_s) if block else None
-            while True:
-                if cmd is not None:
-                    self._apply(cmd)
-                cmd = self._commands.get_nowait()
+            if block:
+                return self._commands.get(timeout=self.idle_wait_s)
+            return self._commands.get_nowait()
         except queue.Empty:
-            return
+            return None
+
+    def _drain(self, first: _Command | None) -> None:
+        cmd = first
+        while cmd is not None:
+            self._apply(cmd)
+            cmd = self._next(block=False)
 
     def _run(self) -> None:
         try:
-            self._flush_events()
-            while not self._stop.is_set():
-                self._drain(block=not self.scheduler.has_work())
-                if self._changed and self.on_change is not None:
-                    # Requests came or went: the published load must say so now, not
-                    # after the next step (an idle engine has none).
-                    self._changed = False
-                    self.on_change()
-                if self.scheduler.has_work():
-                    self._step()
+            with self._lock:
                 self._flush_events()
+            while not self._stop.is_set():
+                # Waiting for work happens outside the lock: pool calls run meanwhile.
+                first = self._next(block=not self.scheduler.has_work())
+                with self._lock:
+                    self._drain(first)
+                    if self._changed and self.on_change is not None:
+                        # Requests came or went: the published load must say so now, not
+                        # after the next step (an idle engine has none).
+                        self._changed = False
+                        self.on_change()
+                    plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+                if plan is not None and not plan.empty:
+                    self._step(plan)
+                with self._lock:
+                    self._flush_events()
         except BaseException as exc:
             log.exception("engine loop crashed")
             self.error = exc
         finally:
-            for rid in list(self._consumers):
-                req = self.scheduler.abort(rid)
-                if req is not None:
-                    self._deliver(rid, self._event(req, None, None))
-            self._flush_events()
+            with self._lock:
+                for rid in list(self._consumers):
+                    req = self.scheduler.abort(rid)
+                    if req is not None:
+                        self._deliver(rid, self._event(req, None, None))
+                self._flush_events()
 
-    def _step(self) -> None:
+    def _step(self, plan: SchedulerPlan) -> None:
+        """Execute a planned step outside the lock, then fold it back under it."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return
         result = self.runner.execute(plan)
         if result.modeled:
             remaining = result.duration_s * self.time_scale - (time.perf_counter() - t0)
             if remaining > 0:
                 self._stop.wait(remaining)
-        outputs = self.scheduler.update(plan, result.sampled)
-        self.steps += 1
-        for out in outputs:
-            self._deliver(out.request.request_id, self._event(out.request, out.token, out))
-        if self.on_step is not None:
-            seconds = result.duration_s if result.modeled else time.perf_counter() - t0
-            self.on_step(StepRecord(plan, seconds, result.modeled))
+        with self._lock:
+            outputs = self.scheduler.update(plan, result.sampled)
+            self.steps += 1
+            for out in outputs:
+                self._deliver(out.request.request_id, self._event(out.request, out.token, out))
+            if self.on_step is not None:
+                seconds = result.duration_s if result.modeled else time.perf_counter() - t0
+                self.on_step(StepRecord(plan, seconds, result.modeled))

@@ -7,8 +7,10 @@ for the first window of the rest (at most
 the window over the source's KV data socket (:mod:`engine_worker.kv_socket`),
 where each block is received straight into its reserved block and checked; the
 window is cached only when all of it is valid, else its blocks go back
-uncached. So a pull costs two engine-thread calls here (lack and reserve;
-commit) and one on the source (pin). A source without a data port is pulled
+uncached. So a pull costs two pool calls here (lack and reserve; commit) and
+one on the source (pin), each run under the scheduler lock while a step
+executes (:meth:`~engine_worker.engine.EngineLoop.pool_call`), so a busy
+worker's step does not hold them up. A source without a data port is pulled
 over HTTP (``POST /kv/blocks``), validated in full, then imported. A failure
 leaves the windows imported so far (each a valid prefix) and raises
 :class:`~engine_worker.kv_transfer.TransferError`: the caller computes what is
@@ -141,7 +143,7 @@ class KvPuller:
         def call(s: Scheduler) -> _T:
             return fn(s.pool)
 
-        return await self.engine.acall(call)
+        return await self.engine.apool_call(call)
 
     async def pull(
         self, source_url: str, keys: Sequence[int], release: str | None = None
@@ -203,7 +205,7 @@ class KvPuller:
 
     async def _lacking(self, keys: list[int], reserve: bool) -> tuple[int, Reservation | None]:
         """How many leading ``keys`` the pool holds and, with ``reserve``, a reservation for
-        the first window of the rest (one engine-thread call)."""
+        the first window of the rest (one pool call)."""
         storage = self.storage
 
         def lacking(s: Scheduler) -> tuple[int, Reservation | None]:
@@ -218,9 +220,9 @@ class KvPuller:
     async def _reserving(
         self, fn: Callable[[Scheduler], tuple[int, Reservation | None]]
     ) -> tuple[int, Reservation | None]:
-        """``fn`` on the engine thread; what it reserves is given back if the caller is
+        """``fn`` as a pool call; what it reserves is given back if the caller is
         cancelled meanwhile."""
-        future = self.engine.call(fn)
+        future = self.engine.pool_call(fn)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -301,7 +303,7 @@ class KvPuller:
         if held is None:
             return 0, received
         # Shielded: once the blocks are in, a cancelled caller still has them cached.
-        commit = self.engine.call(lambda _: held.commit())
+        commit = self.engine.pool_call(lambda _: held.commit())
         return await asyncio.shield(asyncio.wrap_future(commit)), received
 
     def _give_back_late(self, future: Future[tuple[int, Reservation | None]]) -> None:
@@ -311,9 +313,9 @@ class KvPuller:
                 self._give_back(reservation)
 
     def _give_back(self, reservation: Reservation) -> None:
-        """Abort a reservation on the engine thread (also from a cancelled task)."""
+        """Abort a reservation in a pool call (also from a cancelled task)."""
         if self.engine.alive:
-            self.engine.call(lambda _: reservation.abort())
+            self.engine.pool_call(lambda _: reservation.abort())
 
     async def _http_fetch(
         self, source_url: str, keys: list[int], release: str | None, expected: Expected

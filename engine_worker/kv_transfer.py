@@ -19,13 +19,14 @@ what it asked for, the exact byte count (a truncated or overlong stream is
 refused) and every checksum. A refused transfer raises :class:`TransferError`
 whose ``reason`` labels the worker's failure metric; the caller recomputes.
 
-Serving takes every requested block in one call on the engine thread, between
-two steps (:func:`export_pinned`): blocks in host-memory HBM are pinned (the
-scheduler cannot evict, move or overwrite them) and sent from where they are
-until the transfer ends; blocks on other media are copied out in that call. So a
-transfer is never torn. The checksums come from the pool, which keeps one per
-cached block (:mod:`engine_worker.block_checksum`); only blocks cached without
-one (device memory, SSD restored at start) are hashed then. Requests are capped
+Serving takes every requested block in one pool call, under the scheduler
+lock (:func:`export_pinned`, :meth:`~engine_worker.engine.EngineLoop.pool_call`):
+blocks in host-memory HBM are pinned (the scheduler cannot evict, move or
+overwrite them) and sent from where they are until the transfer ends; blocks
+on other media are copied out in that call. So a transfer is never torn. The
+checksums come from the pool, which keeps one per cached block
+(:mod:`engine_worker.block_checksum`); only blocks cached without one (device
+memory, SSD restored at start) are hashed then. Requests are capped
 at :data:`MAX_TRANSFER_BLOCKS` blocks; a client pulls longer runs in windows.
 A receiver reserves fresh HBM blocks for the keys it lacks
 (:func:`reserve_import`, as soon as it knows which: before it asks) and
@@ -205,7 +206,7 @@ def export_pinned(
 ) -> Outgoing:
     """The longest cached run of ``keys`` (from the first), ready to send.
 
-    Runs on the engine thread, between steps: HBM blocks in host memory are pinned and
+    Runs under the scheduler lock (a pool call): HBM blocks in host memory are pinned and
     sent from where they are (zero-copy), the others (DRAM, SSD, device memory) are
     copied out now. Checksums are the pool's; a block cached without one is hashed
     now and the pool remembers it. Serves fewer keys than asked (possibly none) when
@@ -425,8 +426,8 @@ class Reservation:
     a staging buffer), a scratch buffer otherwise (received and checked, then dropped).
     A receiver that reserves before it asks learns from the header how many of the
     keys arrive and the parent of the first (:meth:`land`). Nothing is cached until
-    :meth:`commit`; :meth:`abort` gives the fresh blocks back uncached. Both run on the
-    engine thread, once.
+    :meth:`commit`; :meth:`abort` gives the fresh blocks back uncached. Both run under
+    the scheduler lock (pool calls), once.
     """
 
     def __init__(self, pool: BlockPool, storage: TierStorage | None, parent: int | None,
@@ -518,7 +519,7 @@ def reserve_import(
     checksums: Sequence[int] | None = None,
 ) -> Reservation:
     """Fresh HBM blocks for the keys of ``keys`` the pool lacks, in order, as many as fit
-    now without evicting the run's blocks already in HBM (engine thread).
+    now without evicting the run's blocks already in HBM (under the scheduler lock).
 
     ``parent`` is the parent of the first key; None when unknown yet (the header of
     the transfer names it: :meth:`Reservation.land`). ``checksums``, verified ones, are
@@ -537,7 +538,7 @@ def import_blocks(
 ) -> int:
     """Cache transferred blocks in HBM as if computed here; returns how many were added.
 
-    Runs on the engine thread. Keys the pool caches already (computed meanwhile)
+    Runs under the scheduler lock. Keys the pool caches already (computed meanwhile)
     are skipped; the rest get fresh HBM blocks (evicting as an allocation does),
     their bytes, and their keys (``stored`` events), then go to the free queue
     as cached blocks. Imports only what fits in HBM now, in order, without evicting

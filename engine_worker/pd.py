@@ -126,7 +126,8 @@ class Lease:
 
 
 class Leases:
-    """The worker's block leases. Every method runs on the engine thread."""
+    """The worker's block leases. Every method runs under the scheduler lock (the engine
+    thread between steps, or a pool call)."""
 
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}

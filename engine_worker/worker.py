@@ -356,8 +356,8 @@ class Worker:
     async def export_blocks(
         self, keys: Sequence[int], release: str | None = None
     ) -> tuple[TransferHeader, list[bytes]]:
-        """The longest cached run of ``keys``, copied out between two engine steps; then
-        the lease ``release`` (if any) is released in the same step."""
+        """The longest cached run of ``keys``, copied out in one pool call; then the
+        lease ``release`` (if any) is released in the same call."""
         out = await self.export_pinned(keys, release)
         try:
             return out.header, [bytes(p) for p in out.payload]
@@ -365,10 +365,10 @@ class Worker:
             out.close()
 
     async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
-        """The longest cached run of ``keys``, taken between two engine steps (HBM blocks
-        pinned and sent in place, see :func:`export_pinned`); the lease ``release`` (if
-        any) is released in the same step. Close the result once sent: the pins are
-        dropped on the engine thread."""
+        """The longest cached run of ``keys``, taken in one pool call, which a running
+        step does not hold up (HBM blocks pinned and sent in place, see
+        :func:`export_pinned`); the lease ``release`` (if any) is released in the same
+        call. Close the result once sent: the pins are dropped in another."""
         storage = self.storage
         engine = self.engine
 
@@ -378,12 +378,12 @@ class Worker:
                 self.leases.release(s, release)
             return out
 
-        out = await engine.acall(take)
+        out = await engine.apool_call(take)
         unpin = out.on_close
 
         def close() -> None:
             if engine.alive:
-                engine.call(lambda _: unpin())
+                engine.pool_call(lambda _: unpin())
 
         out.on_close = close
         self.metrics.transfer_blocks.labels("sent").inc(len(out.payload))
@@ -393,7 +393,7 @@ class Worker:
     async def hold_blocks(self, lease_id: str, keys: Sequence[int]) -> list[int]:
         """Hold the leading HBM run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
         ttl = self.settings.lease_ttl_s
-        return await self.engine.acall(lambda s: self.leases.hold(s, lease_id, keys, ttl))
+        return await self.engine.apool_call(lambda s: self.leases.hold(s, lease_id, keys, ttl))
 
     async def _expire_leases(self) -> None:
         period = min(1.0, self.settings.lease_ttl_s / 4)
@@ -401,7 +401,7 @@ class Worker:
             await asyncio.sleep(period)
             if not self.engine.alive:
                 continue
-            expired = await self.engine.acall(self.leases.expire)
+            expired = await self.engine.apool_call(self.leases.expire)
             if expired:
                 self.metrics.leases_expired.inc(expired)
                 log.info("worker %s: %d block leases expired unclaimed", self.name, expired)

@@ -14,7 +14,13 @@ this machine, measured side by side. The pull is timed end to end (B asks its po
 what it lacks, finds A's data port, the transfer, the import); the figure is the
 ratio of the two throughputs per round (median over rounds).
 
+With ``--busy-tokens N`` each round also pulls a second prompt while both workers
+prefill an ``N``-token prompt of their own (sent just before the pull), and reports
+that pull's time over the idle one's: what a pull to or from a busy worker costs
+(the pool work of a pull used to wait for each worker's step in progress).
+
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
+    python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 1024 --busy-tokens 6144
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -83,11 +89,14 @@ def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
     return seconds
 
 
-def _start(name: str, port: int, log_dir: Path, blocks: int) -> subprocess.Popen[bytes]:
+def _start(
+    name: str, port: int, log_dir: Path, blocks: int, prompt_tokens: int
+) -> subprocess.Popen[bytes]:
+    length = max(min(8192, blocks * 16), prompt_tokens + 16)
     args = [
         sys.executable, "-m", "kvrouter", "worker", "--model", "smollm2", "--runner", "torch",
         "--port", str(port), "--name", name, "--hbm-blocks", str(blocks), "--dram-blocks", "0",
-        "--max-model-len", str(min(8192, blocks * 16)), "--max-num-batched-tokens", "2048",
+        "--max-model-len", str(length), "--max-num-batched-tokens", "2048",
     ]  # fmt: skip
     log = (log_dir / f"{name}.log").open("wb")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,39 +116,76 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> No
     raise TimeoutError(f"worker at {url} did not start")
 
 
+def _prefill(url: str, model: str, prompt: list[int]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def _pull(a: str, b: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """Have ``b`` pull all the blocks of ``prompt`` (prefilled on ``a``) from ``a``."""
+    from indexer.keys import block_keys, root_parent
+
+    keys = block_keys(prompt, 16, root_parent(model))
+    pull: dict[str, Any] = httpx.post(
+        f"{b}/kv/pull", json={"source": a, "keys": keys}, timeout=600
+    ).json()
+    if pull["pulled"] != len(keys):
+        raise RuntimeError(f"pulled {pull['pulled']} of {len(keys)} blocks")
+    return pull
+
+
+def _busy(urls: tuple[str, str], model: str, prompts: list[list[int]]) -> list[threading.Thread]:
+    """Start one long prefill on each worker (threads; join them after)."""
+
+    threads = [
+        threading.Thread(target=_prefill, args=(url, model, prompt))
+        for url, prompt in zip(urls, prompts, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both requests admitted: each worker is in its first prefill chunk
+    return threads
+
+
 def main(
     rounds: Annotated[int, typer.Option(min=1, help="Prompts pulled (one ratio each)")] = 5,
     prompt_tokens: Annotated[int, typer.Option(min=16, help="Tokens per prompt")] = 2048,
+    busy_tokens: Annotated[
+        int, typer.Option(min=0, help="Also pull while both workers prefill this many tokens")
+    ] = 0,
     seed: Annotated[int, typer.Option(help="Prompt seed")] = 0,
 ) -> None:
     """Measure and print the transfer / raw loopback throughput ratio."""
-    from indexer.keys import block_keys, root_parent
-
     console = Console()
     rng = random.Random(seed)
-    blocks = rounds * (prompt_tokens // 16 + 2) + 64
+    per_round = (prompt_tokens // 16 + 2) * (2 if busy_tokens else 1) + 2 * (busy_tokens // 16 + 2)
+    blocks = rounds * per_round + 64
     with tempfile.TemporaryDirectory() as tmp:
         ports = free_port(), free_port()
-        procs = [_start(n, p, Path(tmp), blocks) for n, p in zip("ab", ports, strict=True)]
+        length = max(prompt_tokens, busy_tokens)
+        procs = [_start(n, p, Path(tmp), blocks, length) for n, p in zip("ab", ports, strict=True)]
         a, b = (f"http://127.0.0.1:{p}" for p in ports)
         try:
             for url, proc in zip((a, b), procs, strict=True):
                 _wait(url, proc)
             model = httpx.get(f"{a}/v1/models", timeout=10).json()["data"][0]["id"]
             rows = []
-            for i in range(rounds):
+            busy: list[tuple[float, float]] = []
+            for _ in range(rounds):
                 prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
-                body = {"model": model, "prompt": prompt, "max_tokens": 1}
-                r = httpx.post(f"{a}/v1/completions", json=body, timeout=600)
-                r.raise_for_status()
-                keys = block_keys(prompt, 16, root_parent(model))
-                pull = httpx.post(
-                    f"{b}/kv/pull", json={"source": a, "keys": keys}, timeout=600
-                ).json()
-                if pull["pulled"] != len(keys):
-                    raise RuntimeError(f"round {i}: pulled {pull['pulled']} of {len(keys)}")
+                _prefill(a, model, prompt)
+                pull = _pull(a, b, model, prompt)
                 raw = raw_copy_seconds(pull["bytes"])
                 rows.append((pull["pulled"], pull["bytes"], pull["seconds"], raw))
+                if busy_tokens:
+                    prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
+                    _prefill(a, model, prompt)
+                    long = [[rng.randrange(VOCAB) for _ in range(busy_tokens)] for _ in "ab"]
+                    threads = _busy((a, b), model, long)
+                    loaded = _pull(a, b, model, prompt)
+                    for t in threads:
+                        t.join()
+                    busy.append((pull["seconds"], loaded["seconds"]))
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -155,6 +201,16 @@ def main(
     title = "KV transfer between workers vs a raw loopback socket copy"
     console.print(grid(title, columns, cells, justify="right"))
     console.print(f"median pull / raw throughput: {statistics.median(ratios):.2f}")
+    if busy:
+        timed = [
+            (str(i), f"{idle * 1e3:,.0f}", f"{loaded * 1e3:,.0f}", f"{loaded / idle:.2f}")
+            for i, (idle, loaded) in enumerate(busy)
+        ]
+        title = f"The same pull, idle workers vs both prefilling {busy_tokens:,} tokens"
+        console.print(grid(title, ("round", "idle ms", "busy ms", "busy / idle"), timed,
+                           justify="right"))  # fmt: skip
+        median = statistics.median(loaded / idle for idle, loaded in busy)
+        console.print(f"median busy / idle pull time: {median:.2f}")
 
 
 if __name__ == "__main__":  # pragma: no cover
