@@ -26,6 +26,7 @@ one starts cold. Three measurements, each run side by side in one process:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -89,6 +90,8 @@ class RpsResult(msgspec.Struct, kw_only=True):
     rps: float
     latency_p50_ms: float
     latency_p99_ms: float
+    #: Why requests failed: HTTP status code or exception class -> count.
+    failures: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -263,7 +266,7 @@ async def _closed_loop(
     """``clients`` loops each sending one request after another until ``seconds`` pass
     (after ``warm_s`` unmeasured seconds: connections, caches and allocators warm up)."""
     latencies: list[float] = []
-    errors = 0
+    failures: collections.Counter[str] = collections.Counter()
     turn = itertools.count()
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients * 2)
     async with httpx.AsyncClient(timeout=60, limits=limits) as http:
@@ -271,7 +274,6 @@ async def _closed_loop(
         measuring = False
 
         async def client() -> None:
-            nonlocal errors
             while time.perf_counter() < stop:
                 k = next(turn)
                 body = {"model": model, "prompt": pool[k % len(pool)], "max_tokens": 1,
@@ -279,15 +281,15 @@ async def _closed_loop(
                 t0 = time.perf_counter()
                 try:
                     r = await http.post(f"{targets[k % len(targets)]}/v1/completions", json=body)
-                    ok = r.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
+                    why = "" if r.status_code == 200 else str(r.status_code)
+                except httpx.HTTPError as exc:
+                    why = type(exc).__name__
                 if not measuring:
                     continue
-                if ok:
-                    latencies.append(time.perf_counter() - t0)
+                if why:
+                    failures[why] += 1
                 else:
-                    errors += 1
+                    latencies.append(time.perf_counter() - t0)
 
         stop = time.perf_counter() + warm_s
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -298,9 +300,11 @@ async def _closed_loop(
         elapsed = time.perf_counter() - t0
     lat = sorted(latencies) or [float("nan")]
     return RpsResult(
-        target=name, clients=clients, seconds=elapsed, requests=len(latencies), errors=errors,
-        rps=len(latencies) / elapsed, latency_p50_ms=statistics.median(lat) * 1e3,
+        target=name, clients=clients, seconds=elapsed, requests=len(latencies),
+        errors=sum(failures.values()), rps=len(latencies) / elapsed,
+        latency_p50_ms=statistics.median(lat) * 1e3,
         latency_p99_ms=lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
+        failures=dict(failures),
     )  # fmt: skip
 
 
@@ -347,6 +351,13 @@ def render_overhead(results: Sequence[OverheadResult], console: Console, baselin
     console.print(table)
 
 
+def _failed(errors: int, why: dict[str, int]) -> str:
+    """``3 (2x 503, 1x ReadTimeout)``: the count and its causes."""
+    if not why:
+        return str(errors)
+    return f"{errors} ({', '.join(f'{n}x {k}' for k, n in sorted(why.items()))})"
+
+
 def render_rps(results: Sequence[RpsResult], console: Console, baseline: str) -> None:
     """Closed-loop requests/s per target and its ratio to ``baseline``'s."""
     ref = next((r.rps for r in results if r.target == baseline), 0.0)
@@ -356,7 +367,8 @@ def render_rps(results: Sequence[RpsResult], console: Console, baseline: str) ->
         table.add_column(col, justify="left" if col == "target" else "right")
     for r in results:
         table.add_row(
-            r.target, str(r.clients), str(r.requests), str(r.errors), f"{r.rps:.1f}",
+            r.target, str(r.clients), str(r.requests), _failed(r.errors, r.failures),
+            f"{r.rps:.1f}",
             f"{r.rps / ref:.2f}" if ref else "-", f"{r.latency_p50_ms:.1f} ms",
             f"{r.latency_p99_ms:.1f} ms",
         )  # fmt: skip
