@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -119,6 +120,35 @@ def test_a_pulled_prefix_is_used_and_the_output_is_the_same_token_for_token(
     # Pulling again moves nothing: B holds the run.
     again = pull(b, a).json()
     assert (again["present"], again["pulled"]) == (5, 0)
+
+
+def test_pulls_beside_busy_steps_keep_every_output_exact() -> None:
+    # A pull's pool work (reserve, pin, commit) runs while the runner executes a step:
+    # pulls into a worker busy with other prompts, from a worker busy too, must neither
+    # change any output nor leave a block in use.
+    pulled = [list(range(300 + 90 * i, 380 + 90 * i)) for i in range(4)]  # 5 blocks each
+    busy = [[(31 * j + 7 * k) % 900 + 1 for k in range(150)] for j in range(6)]
+    big = {"hbm_blocks": 256}
+    with workers(settings("a", **big), settings("b", **big), settings("c", **big)) as urls:
+        a, b, c = urls
+        refs = [complete(a, p)["choices"][0]["text"] for p in pulled]
+        fresh = [complete(c, q, max_tokens=12)["choices"][0]["text"] for q in busy]
+        with ThreadPoolExecutor(12) as pool:
+            loads = [pool.submit(complete, u, q, 12) for q in busy for u in (a, b)]
+            pulls = [
+                pool.submit(pull, b, a, block_keys(p, 16, root_parent("tiny"))) for p in pulled
+            ]
+            for f in pulls:
+                r = f.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["pulled"] == 5
+            texts = [f.result()["choices"][0]["text"] for f in loads]
+        assert texts == [t for t in fresh for _ in (a, b)]
+        for p, ref in zip(pulled, refs, strict=True):
+            pooled = complete(b, p)
+            assert pooled["choices"][0]["text"] == ref
+            assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert in_use(a) == in_use(b) == 0
 
 
 def test_transfers_need_the_internal_token(trio: list[str]) -> None:
