@@ -311,9 +311,10 @@ class EngineLoop:
                         # after the next step (an idle engine has none).
                         self._changed = False
                         self.on_change()
+                    t0 = time.perf_counter()  # a step's time includes its planning
                     plan = self.scheduler.schedule() if self.scheduler.has_work() else None
                 if plan is not None and not plan.empty:
-                    self._step(plan)
+                    self._step(plan, t0)
                 with self._lock:
                     self._flush_events()
         except BaseException as exc:
@@ -327,9 +328,8 @@ class EngineLoop:
                         self._deliver(rid, self._event(req, None, None))
                 self._flush_events()
 
-    def _step(self, plan: SchedulerPlan) -> None:
-        """Execute a planned step outside the lock, then fold it back under it."""
-        t0 = time.perf_counter()
+    def _step(self, plan: SchedulerPlan, t0: float) -> None:
+        """Execute a step planned at ``t0`` outside the lock, then fold it back under it."""
         result = self.runner.execute(plan)
         if result.modeled:
             remaining = result.duration_s * self.time_scale - (time.perf_counter() - t0)
