@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the scheduler, the pool and the runner.
+"""The engine loop: one thread drives the scheduler and the runner.
 
 Everything that changes requests runs on that thread. Other threads (the
 asyncio server) talk to it through a command queue:
@@ -21,8 +21,7 @@ under that lock on a side thread, so the pool work of a KV transfer
 (reserve, commit, pin, unpin, leases) waits at most for a step's planning
 or bookkeeping, not for the step itself: on a worker busy with a long
 prefill chunk, a between-steps call waits for the rest of that chunk, which
-made a live pull several times its priced time (issue 13's
-"Everything again" run). Such functions must touch only the pool and
+made a live pull several times its priced time. Such functions must touch only the pool and
 leases, never the requests a step has planned.
 """
 
