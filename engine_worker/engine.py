@@ -21,8 +21,8 @@ under that lock on a side thread, so the pool work of a KV transfer
 (reserve, commit, pin, unpin, leases) waits at most for a step's planning
 or bookkeeping, not for the step itself: on a worker busy with a long
 prefill chunk, a between-steps call waits for the rest of that chunk, which
-made a live pull several times its priced time. Such functions must touch only the pool and
-leases, never the requests a step has planned.
+made a live pull several times its priced time. Such functions must touch
+only the pool and leases, never the requests a step has planned.
 """
 
 from __future__ import annotations
