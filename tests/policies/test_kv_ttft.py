@@ -152,9 +152,10 @@ def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
 
     policy = KvTtftPolicy()
     spread = Counter(policy.choose(r, workers, {}).worker for r in burst)
-    # Without speculative state (and without the routing-rate externality, which also
-    # spreads a burst) every request sees the same stale, idle picture.
-    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0)
+    # Without speculative state (and without the routing-rate externality and the
+    # balancing of new prefixes, which also spread a burst) every request sees the same
+    # stale, idle picture.
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0, residency_tie=0.0)
     herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
 
     assert len(spread) == 4
@@ -217,6 +218,8 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(mean_decode_context=-1)
     with pytest.raises(ValueError, match="mean_output_tokens"):
         KvTtftPolicy(mean_output_tokens=-1)
+    with pytest.raises(ValueError, match="residency_tie"):
+        KvTtftPolicy(residency_tie=-0.1)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
@@ -456,3 +459,53 @@ def test_a_turn_routed_behind_a_long_queue_stays_visible_until_its_blocks_exist(
     end = max(first.predicted_ttft_s, 2.5 + decision.predicted_ttft_s) + 2.0
     gone = policy.choose(request(follow, now=end + 0.01), later, {})
     assert gone.scores["w"]["cached_tokens"] == 0
+
+
+def _cold_prompts(policy: KvTtftPolicy, workers: list[WorkerView], n: int) -> Counter[str]:
+    """Where ``n`` prompts cached nowhere go, each after the last one's speculation ended."""
+    placed: Counter[str] = Counter()
+    for i in range(n):
+        prompt = request(tokens(2048, seed=300 + i), now=10.0 * i)
+        placed[policy.choose(prompt, workers, {}).worker] += 1
+    return placed
+
+
+def test_prompts_cached_nowhere_are_spread_over_equally_loaded_workers() -> None:
+    # Four idle, identical workers and eight new system prompts arriving one at a time:
+    # every prediction is equal, so the old tie-break (host name) put all eight on w0,
+    # whose HBM then holds every prefix the later requests will come back for while the
+    # other three hold none.
+    workers = [view(h) for h in ("w0", "w1", "w2", "w3")]
+
+    spread = _cold_prompts(KvTtftPolicy(), workers, 8)
+    piled = _cold_prompts(KvTtftPolicy(residency_tie=0.0), workers, 8)
+
+    assert spread == Counter({"w0": 2, "w1": 2, "w2": 2, "w3": 2})
+    assert piled == Counter({"w0": 8})
+
+
+def test_spreading_new_prefixes_never_costs_more_than_the_tie_band() -> None:
+    # w1 has received nothing new, but its queue makes it clearly slower than w0 for a
+    # prompt cached nowhere: balance is a tie-break, not a reason to wait.
+    policy = KvTtftPolicy()
+    workers = [view("w0"), view("w1", queued=4096)]
+    _cold_prompts(policy, [view("w0")], 3)
+
+    decision = policy.choose(request(tokens(2048, seed=400), now=40.0), workers, {})
+
+    assert decision.scores["w1"]["total"] > 1.05 * decision.scores["w0"]["total"]
+    assert decision.worker == "w0"
+
+
+def test_a_request_with_a_cached_prefix_is_not_moved_to_balance_new_ones() -> None:
+    # Only prompts cached nowhere are balanced: one whose first block is on w0 stays
+    # there even though w0 has received far more new blocks than w1 lately.
+    policy = KvTtftPolicy()
+    _cold_prompts(policy, [view("w0")], 3)
+    prompt = tokens(2048, seed=500)
+    workers = [view("w0"), view("w1")]
+
+    decision = policy.choose(request(prompt, now=40.0), workers, {"w0": match("w0", hbm=1)})
+
+    assert decision.scores["w0"]["total"] < 1.05 * decision.scores["w1"]["total"]
+    assert decision.worker == "w0"
