@@ -72,14 +72,16 @@ A prompt cached nowhere (a new system prompt, document or session), or
 only on workers too busy to wait for, has no cache to follow: the
 candidates' predictions differ by their queues only, often by less than the
 model's own error, and yet where its blocks land they stay, and every later
-request sharing them follows. Among the candidates
-within ``residency_tie`` (5%) of the best score it goes to the one that
-received the fewest new blocks lately (computed or pulled, decayed over a
-minute), as SGLang's cache-aware router sends a prompt it matches nowhere to
-the worker with the smallest tree: new prefixes spread evenly instead of
-piling onto whichever worker a near-tie favoured, whose HBM then overflows
-(the bench suite's ``groups``: 9/8/8/7 system prompts per worker and twice
-the DRAM loads). A request with any cached prefix is never moved by it.
+request sharing them follows. Among the candidates within
+``residency_tie_s`` (5 ms, the prediction's median error) of the best score
+it goes to the one that received the fewest new blocks lately (computed or
+pulled, decayed over a minute), as SGLang's cache-aware router sends a
+prompt it matches nowhere to the worker with the smallest tree: new
+prefixes spread evenly instead of piling onto whichever worker a near-tie
+favoured, whose HBM then overflows (the bench suite's ``groups``: 9/8/8/7
+system prompts per worker, and prompt tokens served from DRAM 5.5% against
+SGLang's 3.0%). A request with any cached prefix on the best candidate is
+never moved by it.
 
 The minimum score wins; ties go to the fewest in-flight requests (including
 those routed here and not yet visible), then the host name, so decisions are
@@ -147,12 +149,13 @@ class KvTtftPolicy:
             next to the worker's own tiers; the decision then names the peer
             (``kv_source``). Off by default: only a gateway that performs the pull
             (``--pooling``) turns it on.
-        residency_tie: A prompt the best candidate holds none of goes to the worker that
-            received the fewest new blocks lately among those scoring within this
-            fraction of the best (0 turns it off; see the module docstring). The default 5% is well
-            inside the prediction's error (simulated / predicted TTFT p90 is 1.2-1.5
-            on the bench suite); 3%, 5% and 10% were compared on ``groups`` seeds 1-4.
-        residency_tau_s: Time constant of "lately" for ``residency_tie``.
+        residency_tie_s: A prompt the best candidate holds none of goes to the worker
+            that received the fewest new blocks lately among those scoring within this
+            many seconds of the best (0 turns it off; see the module docstring). The
+            default 5 ms is the prediction's median absolute error on the bench suite
+            (4-6 ms at every prompt length); 3, 5 and 10 ms and 3%, 5% and 10% of the
+            score were compared on ``groups`` seeds 1-4.
+        residency_tau_s: Time constant of "lately" for ``residency_tie_s``.
     """
 
     name = "kv_ttft"
@@ -170,7 +173,7 @@ class KvTtftPolicy:
         busy_period: bool = True,
         excess_work: bool = True,
         pooling: bool = False,
-        residency_tie: float = 0.05,
+        residency_tie_s: float = 0.005,
         residency_tau_s: float = 60.0,
     ) -> None:
         if mean_decode_context < 0:
@@ -191,9 +194,9 @@ class KvTtftPolicy:
         self.busy_period = busy_period
         self.excess_work = excess_work
         self.pooling = pooling
-        if residency_tie < 0:
-            raise ValueError(f"residency_tie must be >= 0, got {residency_tie}")
-        self.residency_tie = residency_tie
+        if residency_tie_s < 0:
+            raise ValueError(f"residency_tie_s must be >= 0, got {residency_tie_s}")
+        self.residency_tie_s = residency_tie_s
         self.grown = RouteRates(residency_tau_s)
         self._busy = 0.0
         self._landing: dict[str, list[float]] = {}
@@ -317,10 +320,10 @@ class KvTtftPolicy:
             s["total"] = total = s["ttft_s"] + self.externality_weight * externality
             rank[host] = (total, int(s["in_flight"]), host)
         best = min(rank, key=rank.__getitem__)
-        if self.residency_tie > 0 and scores[best]["cached_tokens"] == 0:
+        if self.residency_tie_s > 0 and scores[best]["cached_tokens"] == 0:
             # The best candidate holds none of the prompt (usually: nobody does): among the
             # near-ties, the worker that took the fewest new blocks lately.
-            bound = rank[best][0] * (1.0 + self.residency_tie)
+            bound = rank[best][0] + self.residency_tie_s
             near = [h for h in rank if rank[h][0] <= bound]
             best = min(near, key=lambda h: (self.grown.rate(h, now), rank[h]))
         matched, pulled, new = blocks[best]

@@ -155,7 +155,7 @@ def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
     # Without speculative state (and without the routing-rate externality and the
     # balancing of new prefixes, which also spread a burst) every request sees the same
     # stale, idle picture.
-    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0, residency_tie=0.0)
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0, residency_tie_s=0.0)
     herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
 
     assert len(spread) == 4
@@ -218,8 +218,8 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(mean_decode_context=-1)
     with pytest.raises(ValueError, match="mean_output_tokens"):
         KvTtftPolicy(mean_output_tokens=-1)
-    with pytest.raises(ValueError, match="residency_tie"):
-        KvTtftPolicy(residency_tie=-0.1)
+    with pytest.raises(ValueError, match="residency_tie_s"):
+        KvTtftPolicy(residency_tie_s=-0.1)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
@@ -478,7 +478,7 @@ def test_prompts_cached_nowhere_are_spread_over_equally_loaded_workers() -> None
     workers = [view(h) for h in ("w0", "w1", "w2", "w3")]
 
     spread = _cold_prompts(KvTtftPolicy(), workers, 8)
-    piled = _cold_prompts(KvTtftPolicy(residency_tie=0.0), workers, 8)
+    piled = _cold_prompts(KvTtftPolicy(residency_tie_s=0.0), workers, 8)
 
     assert spread == Counter({"w0": 2, "w1": 2, "w2": 2, "w3": 2})
     assert piled == Counter({"w0": 8})
@@ -493,7 +493,7 @@ def test_spreading_new_prefixes_never_costs_more_than_the_tie_band() -> None:
 
     decision = policy.choose(request(tokens(2048, seed=400), now=40.0), workers, {})
 
-    assert decision.scores["w1"]["total"] > 1.05 * decision.scores["w0"]["total"]
+    assert decision.scores["w1"]["total"] > decision.scores["w0"]["total"] + 0.005
     assert decision.worker == "w0"
 
 
@@ -507,5 +507,5 @@ def test_a_request_with_a_cached_prefix_is_not_moved_to_balance_new_ones() -> No
 
     decision = policy.choose(request(prompt, now=40.0), workers, {"w0": match("w0", hbm=1)})
 
-    assert decision.scores["w0"]["total"] < 1.05 * decision.scores["w1"]["total"]
+    assert decision.scores["w0"]["total"] > decision.scores["w1"]["total"] - 0.005
     assert decision.worker == "w0"
