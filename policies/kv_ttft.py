@@ -70,18 +70,17 @@ the cached copy is the first thing its queued requests' allocations evict.
 
 A prompt cached nowhere (a new system prompt, document or session), or
 only on workers too busy to wait for, has no cache to follow: the
-candidates' predictions differ by their queues only, often by less than the
-model's own error, and yet where its blocks land they stay, and every later
-request sharing them follows. Among the candidates within
-``residency_tie_s`` (5 ms, the prediction's median error) of the best score
-it goes to the one that received the fewest new blocks lately (computed or
-pulled, decayed over a minute), as SGLang's cache-aware router sends a
-prompt it matches nowhere to the worker with the smallest tree: new
-prefixes spread evenly instead of piling onto whichever worker a near-tie
-favoured, whose HBM then overflows (the bench suite's ``groups``: 9/8/8/7
-system prompts per worker, and prompt tokens served from DRAM 5.5% against
-SGLang's 3.0%). A request with any cached prefix on the best candidate is
-never moved by it.
+candidates' predictions differ by their queues only, and where its blocks
+land they stay. With ``residency_tie_s`` > 0, among the candidates within
+that many seconds of the best score it goes to the one that received the
+fewest new blocks lately (computed or pulled, decayed over a minute), as
+SGLang's cache-aware router sends a prompt it matches nowhere to the worker
+with the smallest tree, so new prefixes spread evenly instead of piling
+onto whichever worker a near-tie favoured. It is off by default: on the
+bench suite it brought ``groups`` closer to SGLang (p90 geomean over seeds
+1-4 at 0.9 of capacity 21.9 -> 21.0 ms, SGLang 20.4) but the held-out
+``rag`` cells, where it changes two to six early decisions per trace, came
+out worse on both seeds tried (docs/benchmarks.md, "2026-12-03").
 
 The minimum score wins; ties go to the fewest in-flight requests (including
 those routed here and not yet visible), then the host name, so decisions are
@@ -151,10 +150,8 @@ class KvTtftPolicy:
             (``--pooling``) turns it on.
         residency_tie_s: A prompt the best candidate holds none of goes to the worker
             that received the fewest new blocks lately among those scoring within this
-            many seconds of the best (0 turns it off; see the module docstring). The
-            default 5 ms is the prediction's median absolute error on the bench suite
-            (4-6 ms at every prompt length); 3, 5 and 10 ms and 3%, 5% and 10% of the
-            score were compared on ``groups`` seeds 1-4.
+            many seconds of the best (0, the default, turns it off; see the module
+            docstring). 5 ms is the prediction's median absolute error on the suite.
         residency_tau_s: Time constant of "lately" for ``residency_tie_s``.
     """
 
@@ -173,7 +170,7 @@ class KvTtftPolicy:
         busy_period: bool = True,
         excess_work: bool = True,
         pooling: bool = False,
-        residency_tie_s: float = 0.005,
+        residency_tie_s: float = 0.0,
         residency_tau_s: float = 60.0,
     ) -> None:
         if mean_decode_context < 0:

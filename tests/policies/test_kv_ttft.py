@@ -152,10 +152,9 @@ def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
 
     policy = KvTtftPolicy()
     spread = Counter(policy.choose(r, workers, {}).worker for r in burst)
-    # Without speculative state (and without the routing-rate externality and the
-    # balancing of new prefixes, which also spread a burst) every request sees the same
-    # stale, idle picture.
-    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0, residency_tie_s=0.0)
+    # Without speculative state (and without the routing-rate externality, which also
+    # spreads a burst) every request sees the same stale, idle picture.
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0)
     herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
 
     assert len(spread) == 4
@@ -472,13 +471,13 @@ def _cold_prompts(policy: KvTtftPolicy, workers: list[WorkerView], n: int) -> Co
 
 def test_prompts_cached_nowhere_are_spread_over_equally_loaded_workers() -> None:
     # Four idle, identical workers and eight new system prompts arriving one at a time:
-    # every prediction is equal, so the old tie-break (host name) put all eight on w0,
+    # every prediction is equal, so the plain tie-break (host name) puts all eight on w0,
     # whose HBM then holds every prefix the later requests will come back for while the
-    # other three hold none.
+    # other three hold none. The residency tie-break spreads them.
     workers = [view(h) for h in ("w0", "w1", "w2", "w3")]
 
-    spread = _cold_prompts(KvTtftPolicy(), workers, 8)
-    piled = _cold_prompts(KvTtftPolicy(residency_tie_s=0.0), workers, 8)
+    spread = _cold_prompts(KvTtftPolicy(residency_tie_s=0.005), workers, 8)
+    piled = _cold_prompts(KvTtftPolicy(), workers, 8)
 
     assert spread == Counter({"w0": 2, "w1": 2, "w2": 2, "w3": 2})
     assert piled == Counter({"w0": 8})
@@ -487,7 +486,7 @@ def test_prompts_cached_nowhere_are_spread_over_equally_loaded_workers() -> None
 def test_spreading_new_prefixes_never_costs_more_than_the_tie_band() -> None:
     # w1 has received nothing new, but its queue makes it clearly slower than w0 for a
     # prompt cached nowhere: balance is a tie-break, not a reason to wait.
-    policy = KvTtftPolicy()
+    policy = KvTtftPolicy(residency_tie_s=0.005)
     workers = [view("w0"), view("w1", queued=4096)]
     _cold_prompts(policy, [view("w0")], 3)
 
@@ -500,7 +499,7 @@ def test_spreading_new_prefixes_never_costs_more_than_the_tie_band() -> None:
 def test_a_request_with_a_cached_prefix_is_not_moved_to_balance_new_ones() -> None:
     # Only prompts cached nowhere are balanced: one whose first block is on w0 stays
     # there even though w0 has received far more new blocks than w1 lately.
-    policy = KvTtftPolicy()
+    policy = KvTtftPolicy(residency_tie_s=0.005)
     _cold_prompts(policy, [view("w0")], 3)
     prompt = tokens(2048, seed=500)
     workers = [view("w0"), view("w1")]
