@@ -324,7 +324,8 @@ class KvTtftPolicy:
             near = [h for h in rank if rank[h][0] <= bound]
             best = min(near, key=lambda h: (self.grown.rate(h, now), rank[h]))
         matched, pulled, new = blocks[best]
-        self.grown.record(best, now, float(new + pulled * request.block_size))
+        if self.residency_tie_s > 0:
+            self.grown.record(best, now, float(new + pulled * request.block_size))
         if pulled:
             # The pulled blocks are not on ``best`` until the pull lands: a request that
             # followed this one there before then would recompute them, so they are not
