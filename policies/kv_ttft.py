@@ -194,6 +194,8 @@ class KvTtftPolicy:
         if residency_tie_s < 0:
             raise ValueError(f"residency_tie_s must be >= 0, got {residency_tie_s}")
         self.residency_tie_s = residency_tie_s
+        if residency_tau_s <= 0:
+            raise ValueError(f"residency_tau_s must be > 0, got {residency_tau_s}")
         self.grown = RouteRates(residency_tau_s)
         self._busy = 0.0
         self._landing: dict[str, list[float]] = {}

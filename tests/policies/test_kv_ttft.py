@@ -219,6 +219,8 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(mean_output_tokens=-1)
     with pytest.raises(ValueError, match="residency_tie_s"):
         KvTtftPolicy(residency_tie_s=-0.1)
+    with pytest.raises(ValueError, match="residency_tau_s"):
+        KvTtftPolicy(residency_tau_s=0)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
