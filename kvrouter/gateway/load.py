@@ -1,12 +1,19 @@
-"""Load accounting shared by gateway replicas: in-flight requests and queued prefill tokens.
+"""Load accounting shared by gateway replicas: in-flight requests, queued and held tokens.
 
-Each replica counts what *it* routed, per worker: requests in flight, and
-prompt tokens not yet prefilled (dispatched, no first byte yet). Those
+Each replica counts what *it* routed, per worker: requests in flight, prompt
+tokens not yet prefilled (dispatched, no first byte yet), and prompt tokens
+whose KV the worker holds in HBM (first byte seen, not yet finished). Those
 counts are exact and immediate, unlike a worker's heartbeat, which lags by
-up to one interval. Replicas share them through Redis *leases*::
+up to one interval: a burst routed since the last heartbeat has filled HBM
+that the heartbeat still shows empty. Replicas share them through Redis
+*leases*::
 
     {p}:load:replicas            zset   replica -> lease expiry (ms)
-    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens"  (PEXPIRE lease)
+    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_tokens"
+                                                   (PEXPIRE lease)
+
+A reader also accepts the two-field form "in_flight,queued_tokens" of older
+replicas (held 0) during a rolling upgrade.
 
 Every ``sync_interval_s`` a replica writes its absolute counts (never
 increments) and renews its lease, then reads the other live replicas'.
@@ -37,15 +44,41 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Load:
-    """In-flight requests and queued prefill tokens on one worker."""
+    """In-flight requests, queued prefill tokens and held prompt tokens on one worker.
+
+    ``held_tokens`` counts the prompts of requests past their first token and not yet
+    finished: their KV occupies the worker's HBM whatever its last heartbeat said.
+    """
 
     in_flight: int = 0
     queued_tokens: int = 0
+    held_tokens: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
         self.in_flight += other.in_flight
         self.queued_tokens += other.queued_tokens
+        self.held_tokens += other.held_tokens
+
+    def empty(self) -> bool:
+        """Nothing counted."""
+        return not (self.in_flight or self.queued_tokens or self.held_tokens)
+
+    def pack(self) -> str:
+        """The load-sharing wire form."""
+        return f"{self.in_flight},{self.queued_tokens},{self.held_tokens}"
+
+    @classmethod
+    def unpack(cls, packed: bytes) -> Load:
+        """Parse :meth:`pack`'s form (or an older replica's two-field one).
+
+        Raises:
+            ValueError: Not two or three integers.
+        """
+        fields = [int(x) for x in packed.split(b",")]
+        if len(fields) not in (2, 3):
+            raise ValueError(f"load entry {packed!r}: expected 2 or 3 fields")
+        return cls(*fields)
 
 
 @dataclass(slots=True)
@@ -55,21 +88,26 @@ class Ticket:
     tracker: LoadTracker
     worker: str
     prefill_tokens: int
+    #: The whole prompt (cached part included): what the worker holds once prefilled.
+    prompt_tokens: int = 0
     prefilled: bool = False
     ended: bool = False
 
     def first_byte(self) -> None:
-        """The worker produced the first token: its prefill is no longer queued."""
+        """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            self.tracker._add(self.worker, 0, -self.prefill_tokens)
+            self.tracker._add(self.worker, 0, -self.prefill_tokens, self.prompt_tokens)
 
     def end(self) -> None:
         """The request is over (any outcome)."""
         if self.ended:
             return
         self.ended = True
-        self.tracker._add(self.worker, -1, 0 if self.prefilled else -self.prefill_tokens)
+        if self.prefilled:
+            self.tracker._add(self.worker, -1, 0, -self.prompt_tokens)
+        else:
+            self.tracker._add(self.worker, -1, -self.prefill_tokens, 0)
 
 
 @dataclass(slots=True)
@@ -86,16 +124,18 @@ class LoadTracker:
     healthy: bool = True
     _task: asyncio.Task[None] | None = None
 
-    def begin(self, worker: str, prefill_tokens: int) -> Ticket:
-        """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens."""
-        self._add(worker, 1, prefill_tokens)
-        return Ticket(self, worker, prefill_tokens)
+    def begin(self, worker: str, prefill_tokens: int, prompt_tokens: int = 0) -> Ticket:
+        """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
-    def _add(self, worker: str, in_flight: int, tokens: int) -> None:
+        ``prompt_tokens`` (the whole prompt) is held from its first byte to its end.
+        """
+        self._add(worker, 1, prefill_tokens, 0)
+        return Ticket(self, worker, prefill_tokens, max(prompt_tokens, prefill_tokens))
+
+    def _add(self, worker: str, in_flight: int, tokens: int, held: int) -> None:
         load = self.local.setdefault(worker, Load())
-        load.in_flight += in_flight
-        load.queued_tokens += tokens
-        if load.in_flight == 0 and load.queued_tokens == 0:
+        load.add(Load(in_flight, tokens, held))
+        if load.empty():
             del self.local[worker]
 
     def load(self, worker: str) -> Load:
@@ -160,7 +200,7 @@ class LoadTracker:
             if self.local:
                 pipe.hset(
                     own,
-                    mapping={w: f"{v.in_flight},{v.queued_tokens}" for w, v in self.local.items()},
+                    mapping={w: v.pack() for w, v in self.local.items()},
                 )
                 pipe.pexpire(own, lease_ms)
             pipe.zadd(replicas, {self.replica_id: now_ms + lease_ms})
@@ -173,8 +213,12 @@ class LoadTracker:
             async with self.client.pipeline(transaction=False) as pipe:
                 for r in others:
                     pipe.hgetall(self.keyspace.load(f"r:{r}"))
-                for counts in await pipe.execute():
+                for r, counts in zip(others, await pipe.execute(), strict=True):
                     for w, packed in counts.items():
-                        in_flight, tokens = (int(x) for x in packed.split(b","))
-                        remote.setdefault(w.decode(), Load()).add(Load(in_flight, tokens))
+                        try:
+                            part = Load.unpack(packed)
+                        except ValueError as exc:
+                            log.warning("load sharing: replica %s: %s", r, exc)
+                            continue
+                        remote.setdefault(w.decode(), Load()).add(part)
         self.remote = remote

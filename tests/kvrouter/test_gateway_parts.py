@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
@@ -19,7 +20,7 @@ from indexer.wire import Keyspace, encode_view
 from kvrouter.embedded_redis import free_port
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import WorkerDirectory
-from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.load import Load, LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import ModelTokens, Router
 from kvrouter.gateway.settings import RouterSettings
@@ -55,6 +56,46 @@ async def test_replicas_share_load_and_a_dead_replicas_counts_expire(redis_url: 
     t1.end()
     assert a.load("w0").in_flight == 0
     assert "w0" not in a.local
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def test_replicas_share_the_prompt_tokens_a_worker_holds_once_prefilled(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A 4,000-token prompt with 3,000 cached: 1,000 queued until its first byte, then the
+    # whole 4,000 held in the worker's HBM until it ends (what a stale heartbeat misses).
+    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    a = LoadTracker(client=ca, replica_id="a", lease_s=5)
+    b = LoadTracker(client=cb, replica_id="b", lease_s=5)
+    t = a.begin("w0", 1000, 4000)
+    await a.sync()
+    await b.sync()
+    assert b.load("w0") == Load(1, 1000, 0)
+    t.first_byte()
+    await a.sync()
+    await b.sync()
+    assert b.load("w0") == Load(1, 0, 4000)
+    # An older replica publishes two fields (held 0); a garbled entry is skipped.
+    ks = Keyspace()
+    await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
+    await ca.hset(ks.load("r:old"), mapping={"w0": "2,500", "w1": "x,y"})
+    with caplog.at_level(logging.WARNING, logger="kvrouter.gateway.load"):
+        await b.sync()
+    assert b.load("w0") == Load(3, 500, 4000)
+    assert b.load("w1") == Load()
+    assert "replica old" in caplog.text
+    t.end()
+    t.end()  # idempotent
+    assert "w0" not in a.local
+    # Ended before its first byte: the queued part goes, nothing was ever held.
+    early = a.begin("w0", 700, 900)
+    early.end()
+    assert "w0" not in a.local
+    await ca.delete(ks.load("r:old"))
+    await ca.zrem(ks.load("replicas"), "old")
+    await a.stop()
+    await b.stop()
     await ca.aclose()
     await cb.aclose()
 
