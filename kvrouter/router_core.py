@@ -39,18 +39,22 @@ def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerV
 
     Heartbeats lag by up to one interval; the router's counts of what it routed are
     current. Each term takes the larger of the two, so a burst routed since the last
-    heartbeat is seen at once.
+    heartbeat is seen at once: its requests in flight, the prompt tokens still to
+    prefill, and the HBM blocks that the prompts already prefilled hold
+    (``kv_active_blocks``, which a heartbeat taken before they arrived shows empty).
     """
     if load_of is None:
         return list(views)
     out = []
     for v in views:
         tracked = load_of(v.host)
-        if tracked.in_flight or tracked.queued_tokens:
+        if not tracked.empty():
+            held_blocks = -(-tracked.held_tokens // max(v.block_size, 1))
             v = replace(
                 v,
                 in_flight=max(v.in_flight, tracked.in_flight),
                 queued_prefill_tokens=max(v.queued_prefill_tokens, tracked.queued_tokens),
+                kv_active_blocks=max(v.kv_active_blocks, held_blocks),
             )
         out.append(v)
     return out

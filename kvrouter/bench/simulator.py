@@ -24,9 +24,10 @@ sees each worker's state at that instant (running, waiting, queued prefill
 tokens, KV usage, profile; ``ts`` = now) and nothing is overlaid. With
 ``view_interval_s > 0`` views are heartbeats taken every interval, and the core
 lays the router's own accounting over them as in the gateway: requests in
-flight, and the prompt tokens it routed that have not produced a first token
-yet (the uncached part, by the decision's matched blocks); each term is the
-larger of the heartbeat's and the router's.
+flight, the prompt tokens it routed that have not produced a first token
+yet (the uncached part, by the decision's matched blocks), and the whole
+prompts of those that have and are still running (KV held in HBM); each term
+is the larger of the heartbeat's and the router's.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
@@ -244,6 +245,8 @@ class _Worker:
     beat: WorkerView | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
+    #: The router's own count of prompt tokens prefilled here and not yet finished.
+    tracked_held: int = 0
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
     pulling: int = 0
     role: Role = Role.BOTH
@@ -398,7 +401,7 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
-        return Load(w.in_flight, w.tracked_prefill)
+        return Load(w.in_flight, w.tracked_prefill, w.tracked_held)
 
     def decide(self, i: int, now: float, tokens: int, keys: list[int]) -> CoreDecision:
         """Route trace request ``i`` through the router core, as the gateway does."""
@@ -559,7 +562,9 @@ class _Cluster:
             if rec.first_token_s is None:
                 rec.first_token_s = now
                 w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
+                w.tracked_held += req.num_prompt_tokens
             if out.finished:
+                w.tracked_held -= req.num_prompt_tokens
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
                 c = req.cached_tokens
@@ -615,7 +620,8 @@ def simulate(
 
     Raises:
         SimulationError: An empty trace, a request longer than ``max_model_len`` or
-            than a worker's HBM, or a policy naming an unknown worker.
+            than a worker's HBM, a policy naming an unknown worker, or (a bug) the
+            router's own load counts not back to zero at the end.
     """
     if not trace:
         raise SimulationError("the trace is empty")
@@ -627,6 +633,9 @@ def simulate(
     if len(records) != len(trace) or cluster.live or cluster.transfers:
         raise SimulationError(f"{len(cluster.live)} requests never finished")
     workers = cluster.workers
+    counts = {w.host: cluster.tracked(w.host) for w in workers}
+    if leaked := {host: load for host, load in counts.items() if not load.empty()}:
+        raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(
         policy=policy.name,

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
+from msgspec.structs import replace
 from prometheus_client import CollectorRegistry
 
 from engine_worker.protocol import CompletionRequest
@@ -21,11 +22,14 @@ from kvrouter.bench.workloads import ChatWorkload, generate
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.app import _load_models
 from kvrouter.gateway.discovery import WorkerDirectory
-from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.load import Load, LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import Router
 from kvrouter.policy_factory import build_policy
+from kvrouter.router_core import RouterCore, overlay
 from policies.base import Decision, Policy, RouteRequest
+from policies.kv_ttft import KvTtftPolicy
+from tests.policies.support import BLOCK, match, request, tokens, view
 
 MODEL = "tiny"
 #: Sessions cross prefixes in the trace below, so affinity overrules it now and then.
@@ -146,3 +150,53 @@ def test_session_affinity_keeps_each_session_on_its_worker_in_the_simulator() ->
         served = {r.worker for r, s in zip(kept, sessions, strict=True) if s == session}
         assert len(served) == 1
     assert kept[0].worker != kept[1].worker
+
+
+def test_the_overlay_shows_the_hbm_a_burst_has_filled_since_the_last_heartbeat() -> None:
+    # "busy" and "roomy" both sent their last heartbeat idle and empty. Since then the
+    # router sent "busy" requests whose 150K prompt tokens are prefilled and decoding
+    # (9,375 of its 10,000 HBM blocks). A 16K-token prompt whose first 4K tokens "busy"
+    # caches would not fit beside them: it would be preempted and wait.
+    prompt = tokens(16_384, seed=31)
+    heartbeats = [view("busy", mean_output=300.0), view("roomy", mean_output=300.0)]
+    matches = {"busy": match("busy", hbm=4096 // BLOCK)}
+    counts = {"busy": Load(in_flight=12, queued_tokens=0, held_tokens=150_000)}
+
+    def load_of(host: str) -> Load:
+        return counts.get(host, Load())
+
+    laid = {v.host: v for v in overlay(heartbeats, load_of)}
+    assert laid["busy"].kv_active_blocks == 150_000 // BLOCK
+    assert laid["busy"].in_flight == 12
+    assert laid["roomy"] == heartbeats[1]
+    # A heartbeat showing more than the router counts (another replica's requests) stays.
+    fuller = replace(heartbeats[0], kv_active_blocks=9_800)
+    assert overlay([fuller], load_of)[0].kv_active_blocks == 9_800
+
+    # Without the held tokens (what the overlay laid before) the cached 4K tokens win.
+    # (A fresh policy each time: kv_ttft remembers where it sent a prompt.)
+    blind = RouterCore(KvTtftPolicy()).decide(
+        request(prompt), heartbeats, lambda h: Load(load_of(h).in_flight), matches
+    )
+    assert blind.worker == "busy"
+    seen = RouterCore(KvTtftPolicy()).decide(request(prompt), heartbeats, load_of, matches)
+    assert seen.worker == "roomy"
+    assert seen.decision.scores["busy"]["memory_wait_s"] > 0.0
+    assert seen.decision.scores["roomy"]["memory_wait_s"] == 0.0
+
+
+def test_the_simulators_held_counts_follow_each_request_from_first_token_to_end() -> None:
+    # A burst of long prompts inside one heartbeat interval: later arrivals see the KV the
+    # earlier ones hold (the heartbeat at t=0 showed every worker empty); the replay then
+    # checks that every count returned to zero (it raises otherwise).
+    trace = [TraceRecord(50.0 * i, 2048, 64, [1000 + i]) for i in range(12)]
+    config = SimConfig(
+        workers=2, model=MODEL, hbm_blocks=1024, dram_blocks=0, ssd_blocks=0,
+        view_interval_s=10.0, vocab_size=4096,
+    )  # fmt: skip
+    recording = _Recording(build_policy("kv_ttft"))
+    result = simulate(trace, recording, config)
+    assert all(r.finish_s is not None for r in result.records)
+    late = recording.seen[-1].workers
+    assert all(v.ts == 0.0 for v in late), "the burst must fit in one heartbeat interval"
+    assert sum(v.kv_active_blocks for v in late) >= 2048 // config.block_size
