@@ -328,6 +328,13 @@ def suite(
     ] = "",
     jobs: Annotated[int | None, typer.Option(help="Parallel replays [cores].")] = None,
     plots: Annotated[bool, typer.Option(help="Draw TTFT CDFs of the report set.")] = True,
+    load: Annotated[
+        str, typer.Option(help="Comma-separated load labels to run (default: all).")
+    ] = "",
+    view_interval_ms: Annotated[
+        float,
+        typer.Option(help="Routers' heartbeat period (0: exact views; 1000: a live gateway)."),
+    ] = 0.0,
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -343,7 +350,8 @@ def suite(
     try:
         run_suite(
             out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
-            plots=plots,
+            plots=plots, loads=[x for x in load.split(",") if x],
+            view_interval_s=view_interval_ms / 1e3,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -231,9 +231,12 @@ _Replayed = tuple[list[RequestRecord], dict[str, float]]
 _Pending = tuple["_Run", str, float, float, dict[str, Future[_Replayed]], Future[float]]
 
 
-def _replay(name: str, seed: int, quick: bool, time_scale: float, policy: str) -> _Replayed:
+def _replay(
+    name: str, seed: int, quick: bool, time_scale: float, policy: str, view_interval_s: float = 0.0
+) -> _Replayed:
     trace = _trace(name, seed, quick)
     config = _case(name, quick).config(seed, time_scale)
+    config = dataclasses.replace(config, view_interval_s=view_interval_s)
     result = simulate(trace, build_policy(policy, seed=seed), config)
     return result.records, result.busy_s
 
@@ -369,6 +372,8 @@ def run_suite(
     only: Sequence[str] = (),
     jobs: int | None = None,
     plots: bool = True,
+    loads: Sequence[str] = (),
+    view_interval_s: float = 0.0,
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -380,9 +385,13 @@ def run_suite(
         only: Restrict to these workload names (all when empty).
         jobs: Replays run in parallel (default: the machine's cores).
         plots: Draw a TTFT CDF per cell of the report set's first seed of each workload.
+        loads: Restrict to these load labels (all when empty).
+        view_interval_s: The routers' heartbeat period (0: exact views at each routing;
+            1.0 is the workers' default heartbeat, what a live gateway sees).
 
     Raises:
-        ValueError: Nothing selected (an unknown set or workload name).
+        ValueError: Nothing selected (an unknown set, workload or load label), or a
+            negative view interval.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -393,6 +402,12 @@ def run_suite(
     selected = [(s, case, seed) for s in sets for case, seed in SETS[s] if not only or case in only]
     if not selected:
         raise ValueError("no run selected")
+    labels = {label for _, case, _ in selected for label, _ in _case(case, quick).loads}
+    if bad := [x for x in loads if x not in labels]:
+        have = ", ".join(sorted(labels))
+        raise ValueError(f"unknown load {', '.join(bad)}; the runs have {have}")
+    if not view_interval_s >= 0:
+        raise ValueError(f"view interval must be >= 0, got {view_interval_s}")
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
@@ -407,9 +422,12 @@ def run_suite(
         for run in runs:
             capacity, natural = run.capacity.result()
             for label, load in _case(run.case, quick).loads:
+                if loads and label not in loads:
+                    continue
                 scale = load * capacity / natural
                 replays: dict[str, Future[_Replayed]] = {
-                    p: pool.submit(_replay, run.case, run.seed, quick, scale, p) for p in names
+                    p: pool.submit(_replay, run.case, run.seed, quick, scale, p, view_interval_s)
+                    for p in names
                 }
                 oracle = pool.submit(_oracle, run.case, run.seed, quick, scale)
                 pending.append((run, label, load, scale, replays, oracle))
@@ -446,7 +464,7 @@ def run_suite(
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json")
+    _write(cells, out_dir / "suite.json", view_interval_s)
     return cells
 
 
@@ -515,7 +533,7 @@ def _plotted() -> dict[str, int]:
     return first
 
 
-def _write(cells: Sequence[CellResult], path: Path) -> None:
+def _write(cells: Sequence[CellResult], path: Path, view_interval_s: float = 0.0) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
         "prediction_error": {
@@ -523,7 +541,10 @@ def _write(cells: Sequence[CellResult], path: Path) -> None:
             for name in dict.fromkeys(c.set for c in cells)
         },
         "cells": [msgspec.structs.replace(c, prediction=[]) for c in cells],
-        "config": {name: config_dict(case.config(0)) for name, case in CASES.items()},
+        "config": {
+            name: config_dict(dataclasses.replace(case.config(0), view_interval_s=view_interval_s))
+            for name, case in CASES.items()
+        },
     }
     path.write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2))
 

@@ -72,3 +72,29 @@ def test_the_suite_command_refuses_unknown_sets_and_workloads(tmp_path: Path) ->
     bad_case = CliRunner().invoke(app, ["bench", "suite", *out, "--only", "chat,nope"])
     assert bad_case.exit_code != 0
     assert "unknown workload nope" in bad_case.output
+
+
+def test_the_suite_replays_one_load_with_heartbeat_lagged_views(tmp_path: Path) -> None:
+    # What a live gateway sees: views one heartbeat old, the router's own counts on top.
+    console = Console(width=200, record=True)
+    cells = run_suite(
+        tmp_path, console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
+        plots=False, loads=["load90"], view_interval_s=1.0,
+    )  # fmt: skip
+    assert [c.load_label for c in cells] == ["load90"]
+    exact = run_suite(
+        tmp_path / "exact", console=console, quick=True, sets=["tune"], only=["groups"],
+        jobs=2, plots=False, loads=["load90"],
+    )  # fmt: skip
+    # Load-aware policies decide on different views, so some request lands elsewhere.
+    lagged, now = cells[0].summary(DEFAULT_POLICY), exact[0].summary(DEFAULT_POLICY)
+    assert (lagged.ttft_p50_s, lagged.ttft_p99_s) != (now.ttft_p50_s, now.ttft_p99_s)
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert written["config"]["groups"]["view_interval_s"] == 1.0
+    out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
+    bad_load = CliRunner().invoke(app, [*out, "--load", "load90,heavy"])
+    assert bad_load.exit_code != 0
+    assert "unknown load heavy" in bad_load.output
+    negative = CliRunner().invoke(app, [*out, "--view-interval-ms", "-5"])
+    assert negative.exit_code != 0
+    assert "view interval must be >= 0" in negative.output
