@@ -49,12 +49,11 @@ def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerV
     for v in views:
         tracked = load_of(v.host)
         if not tracked.empty():
-            held_blocks = -(-tracked.held_tokens // max(v.block_size, 1))
             v = replace(
                 v,
                 in_flight=max(v.in_flight, tracked.in_flight),
                 queued_prefill_tokens=max(v.queued_prefill_tokens, tracked.queued_tokens),
-                kv_active_blocks=max(v.kv_active_blocks, held_blocks),
+                kv_active_blocks=max(v.kv_active_blocks, tracked.held_blocks),
             )
         out.append(v)
     return out

@@ -66,7 +66,7 @@ from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import Load
+from kvrouter.gateway.load import HeldBlocks, Load
 from kvrouter.gateway.pd import PdMode, PdPlanner
 from kvrouter.router_core import CoreDecision, RouterCore, route_request
 from policies.base import NoWorkerError, Policy
@@ -245,8 +245,8 @@ class _Worker:
     beat: WorkerView | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
-    #: The router's own count of prompt tokens prefilled here and not yet finished.
-    tracked_held: int = 0
+    #: The router's own count of the prompt blocks held here (first token to finish).
+    tracked_held: HeldBlocks = field(default_factory=HeldBlocks)
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
     pulling: int = 0
     role: Role = Role.BOTH
@@ -324,6 +324,10 @@ class _Cluster:
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
+        #: The prompt's block keys of each request routed (as the gateway's ticket has
+        #: them), then of each request past its first token (held in HBM).
+        self.routed_keys: dict[str, tuple[int, ...]] = {}
+        self.held: dict[str, tuple[int, ...]] = {}
         self.next_beat = 0.0
         planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
         self.core = RouterCore(policy, affinity=SessionAffinity(), planner=planner)
@@ -401,7 +405,7 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
-        return Load(w.in_flight, w.tracked_prefill, w.tracked_held)
+        return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held))
 
     def decide(self, i: int, now: float, tokens: int, keys: list[int]) -> CoreDecision:
         """Route trace request ``i`` through the router core, as the gateway does."""
@@ -458,15 +462,18 @@ class _Cluster:
             if held > have:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.
-                self.count(w, rid, len(tokens), held, i)
+                self.count(w, rid, len(tokens), held, i, keys)
                 w.pulling += self.pending_prefill[rid]
                 pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
                 self.send(source, pull, now)
                 return
         self.admit(w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now)
 
-    def count(self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int) -> None:
+    def count(
+        self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int]
+    ) -> None:
         """Add a request to the router's own load count of ``w`` (released as it runs)."""
+        self.routed_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
         w.tracked_prefill += uncached
@@ -485,7 +492,7 @@ class _Cluster:
         request.keys = keys
         w.scheduler.add(request)
         if not counted:
-            self.count(w, rid, len(tokens), matched_blocks, i)
+            self.count(w, rid, len(tokens), matched_blocks, i, keys)
         if w.step is None:
             self.start_step(w, now)
 
@@ -549,6 +556,7 @@ class _Cluster:
             if handoff is not None:
                 # PD: the prefill-only request is done; its blocks go to the decoder.
                 w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
+                del self.routed_keys[req.request_id]
                 del self.live[req.request_id]
                 w.in_flight -= 1
                 c = req.cached_tokens
@@ -562,9 +570,10 @@ class _Cluster:
             if rec.first_token_s is None:
                 rec.first_token_s = now
                 w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
-                w.tracked_held += req.num_prompt_tokens
+                keys = self.held[req.request_id] = self.routed_keys.pop(req.request_id)
+                w.tracked_held.hold(keys)
             if out.finished:
-                w.tracked_held -= req.num_prompt_tokens
+                w.tracked_held.release(self.held.pop(req.request_id))
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
                 c = req.cached_tokens
@@ -634,7 +643,8 @@ def simulate(
         raise SimulationError(f"{len(cluster.live)} requests never finished")
     workers = cluster.workers
     counts = {w.host: cluster.tracked(w.host) for w in workers}
-    if leaked := {host: load for host, load in counts.items() if not load.empty()}:
+    leaked = {host: load for host, load in counts.items() if not load.empty()}
+    if leaked or cluster.routed_keys or cluster.held:
         raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(

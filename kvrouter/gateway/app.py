@@ -454,7 +454,7 @@ async def _open(
         raw["kv_transfer_params"] = pool
     up = await gw.dispatcher.open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
-        prompt_tokens=routed.prompt_tokens,
+        keys=routed.request.block_keys,
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up, prefilled_on, prefill_cached)

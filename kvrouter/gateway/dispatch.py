@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_worker.protocol import ApiError, error_body
@@ -93,12 +93,12 @@ class Dispatcher:
         prefill_tokens: dict[str, int],
         *,
         whole: bool,
-        prompt_tokens: int = 0,
+        keys: Sequence[int] = (),
     ) -> Upstream:
         """Send ``body`` to the first candidate that answers; ``whole`` reads the full body.
 
-        ``prefill_tokens`` is what each candidate would still prefill; ``prompt_tokens``
-        the whole prompt, which the worker holds in HBM from the first byte to the end.
+        ``prefill_tokens`` is what each candidate would still prefill; ``keys`` the
+        prompt's block keys, which the worker holds in HBM from the first byte to the end.
 
         Raises:
             ApiError: 503 when every attempt failed before the first byte.
@@ -111,7 +111,7 @@ class Dispatcher:
             view = self.directory.views.get(worker)
             if view is None or worker in self.directory.benched:
                 continue
-            ticket = self.load.begin(worker, prefill_tokens.get(worker, 0), prompt_tokens)
+            ticket = self.load.begin(worker, prefill_tokens.get(worker, 0), keys)
             try:
                 up = await self._attempt(worker, view.url + path, body, headers, ticket, whole)
             except _RetryableError as exc:

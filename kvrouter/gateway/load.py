@@ -1,15 +1,16 @@
-"""Load accounting shared by gateway replicas: in-flight requests, queued and held tokens.
+"""Load accounting shared by gateway replicas: in-flight requests, queued tokens, held blocks.
 
 Each replica counts what *it* routed, per worker: requests in flight, prompt
-tokens not yet prefilled (dispatched, no first byte yet), and prompt tokens
-whose KV the worker holds in HBM (first byte seen, not yet finished). Those
-counts are exact and immediate, unlike a worker's heartbeat, which lags by
-up to one interval: a burst routed since the last heartbeat has filled HBM
-that the heartbeat still shows empty. Replicas share them through Redis
-*leases*::
+tokens not yet prefilled (dispatched, no first byte yet), and the distinct
+prompt blocks whose KV the worker holds in HBM (first byte seen, not yet
+finished; a prefix that several requests share counts once, as the worker
+stores it once). Those counts are exact and immediate, unlike a worker's
+heartbeat, which lags by up to one interval: a burst routed since the last
+heartbeat has filled HBM that the heartbeat still shows empty. Replicas
+share them through Redis *leases*::
 
     {p}:load:replicas            zset   replica -> lease expiry (ms)
-    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_tokens"
+    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks"
                                                    (PEXPIRE lease)
 
 A reader also accepts the two-field form "in_flight,queued_tokens" of older
@@ -28,7 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -37,36 +38,65 @@ from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
 from indexer.wire import Keyspace
 
-__all__ = ["Load", "LoadTracker", "Ticket"]
+__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket"]
 
 log = logging.getLogger(__name__)
 
 
+class HeldBlocks:
+    """The distinct block keys that running requests reference on one worker (refcounted)."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}
+
+    def hold(self, keys: Sequence[int]) -> None:
+        """A request's prompt blocks are in HBM (its first token came)."""
+        refs = self._refs
+        for k in keys:
+            refs[k] = refs.get(k, 0) + 1
+
+    def release(self, keys: Sequence[int]) -> None:
+        """The request that :meth:`hold` counted is over."""
+        refs = self._refs
+        for k in keys:
+            n = refs[k] - 1
+            if n:
+                refs[k] = n
+            else:
+                del refs[k]
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
 @dataclass(slots=True)
 class Load:
-    """In-flight requests, queued prefill tokens and held prompt tokens on one worker.
+    """In-flight requests, queued prefill tokens and held prompt blocks on one worker.
 
-    ``held_tokens`` counts the prompts of requests past their first token and not yet
-    finished: their KV occupies the worker's HBM whatever its last heartbeat said.
+    ``held_blocks`` counts the distinct prompt blocks of requests past their first
+    token and not yet finished: their KV occupies the worker's HBM whatever its last
+    heartbeat said.
     """
 
     in_flight: int = 0
     queued_tokens: int = 0
-    held_tokens: int = 0
+    held_blocks: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
         self.in_flight += other.in_flight
         self.queued_tokens += other.queued_tokens
-        self.held_tokens += other.held_tokens
+        self.held_blocks += other.held_blocks
 
     def empty(self) -> bool:
         """Nothing counted."""
-        return not (self.in_flight or self.queued_tokens or self.held_tokens)
+        return not (self.in_flight or self.queued_tokens or self.held_blocks)
 
     def pack(self) -> str:
         """The load-sharing wire form."""
-        return f"{self.in_flight},{self.queued_tokens},{self.held_tokens}"
+        return f"{self.in_flight},{self.queued_tokens},{self.held_blocks}"
 
     @classmethod
     def unpack(cls, packed: bytes) -> Load:
@@ -88,8 +118,8 @@ class Ticket:
     tracker: LoadTracker
     worker: str
     prefill_tokens: int
-    #: The whole prompt (cached part included): what the worker holds once prefilled.
-    prompt_tokens: int = 0
+    #: The prompt's block keys (cached ones included): what the worker holds once prefilled.
+    keys: Sequence[int] = ()
     prefilled: bool = False
     ended: bool = False
 
@@ -97,7 +127,7 @@ class Ticket:
         """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            self.tracker._add(self.worker, 0, -self.prefill_tokens, self.prompt_tokens)
+            self.tracker._add(self.worker, 0, -self.prefill_tokens, hold=self.keys)
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -105,9 +135,9 @@ class Ticket:
             return
         self.ended = True
         if self.prefilled:
-            self.tracker._add(self.worker, -1, 0, -self.prompt_tokens)
+            self.tracker._add(self.worker, -1, 0, release=self.keys)
         else:
-            self.tracker._add(self.worker, -1, -self.prefill_tokens, 0)
+            self.tracker._add(self.worker, -1, -self.prefill_tokens)
 
 
 @dataclass(slots=True)
@@ -121,20 +151,32 @@ class LoadTracker:
     sync_interval_s: float = 0.2
     local: dict[str, Load] = field(default_factory=dict)
     remote: dict[str, Load] = field(default_factory=dict)
+    held: dict[str, HeldBlocks] = field(default_factory=dict)
     healthy: bool = True
     _task: asyncio.Task[None] | None = None
 
-    def begin(self, worker: str, prefill_tokens: int, prompt_tokens: int = 0) -> Ticket:
+    def begin(self, worker: str, prefill_tokens: int, keys: Sequence[int] = ()) -> Ticket:
         """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
-        ``prompt_tokens`` (the whole prompt) is held from its first byte to its end.
+        The prompt's block ``keys`` are held from its first byte to its end.
         """
-        self._add(worker, 1, prefill_tokens, 0)
-        return Ticket(self, worker, prefill_tokens, max(prompt_tokens, prefill_tokens))
+        self._add(worker, 1, prefill_tokens)
+        return Ticket(self, worker, prefill_tokens, keys)
 
-    def _add(self, worker: str, in_flight: int, tokens: int, held: int) -> None:
+    def _add(
+        self, worker: str, in_flight: int, tokens: int,
+        hold: Sequence[int] = (), release: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         load = self.local.setdefault(worker, Load())
-        load.add(Load(in_flight, tokens, held))
+        load.in_flight += in_flight
+        load.queued_tokens += tokens
+        if hold or release:
+            held = self.held.setdefault(worker, HeldBlocks())
+            held.hold(hold)
+            held.release(release)
+            load.held_blocks = len(held)
+            if not held:
+                del self.held[worker]
         if load.empty():
             del self.local[worker]
 

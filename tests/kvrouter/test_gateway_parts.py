@@ -60,36 +60,43 @@ async def test_replicas_share_load_and_a_dead_replicas_counts_expire(redis_url: 
     await cb.aclose()
 
 
-async def test_replicas_share_the_prompt_tokens_a_worker_holds_once_prefilled(
+async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_prefilled(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A 4,000-token prompt with 3,000 cached: 1,000 queued until its first byte, then the
-    # whole 4,000 held in the worker's HBM until it ends (what a stale heartbeat misses).
+    # Two prompts sharing a 2-block prefix: each queued until its first byte, then its
+    # blocks held in the worker's HBM until it ends, the shared ones counted once (the
+    # worker stores them once). This is what a heartbeat taken before them misses.
     ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
     a = LoadTracker(client=ca, replica_id="a", lease_s=5)
     b = LoadTracker(client=cb, replica_id="b", lease_s=5)
-    t = a.begin("w0", 1000, 4000)
+    t1 = a.begin("w0", 1000, (11, 12, 13, 14))
+    t2 = a.begin("w0", 30, (11, 12, 15))
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(1, 1000, 0)
-    t.first_byte()
+    assert b.load("w0") == Load(2, 1030, 0)
+    t1.first_byte()
+    t2.first_byte()
+    t2.first_byte()  # idempotent
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(1, 0, 4000)
+    assert b.load("w0") == Load(2, 0, 5)
     # An older replica publishes two fields (held 0); a garbled entry is skipped.
     ks = Keyspace()
     await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
     await ca.hset(ks.load("r:old"), mapping={"w0": "2,500", "w1": "x,y"})
     with caplog.at_level(logging.WARNING, logger="kvrouter.gateway.load"):
         await b.sync()
-    assert b.load("w0") == Load(3, 500, 4000)
+    assert b.load("w0") == Load(4, 500, 5)
     assert b.load("w1") == Load()
     assert "replica old" in caplog.text
-    t.end()
-    t.end()  # idempotent
+    t1.end()
+    t1.end()  # idempotent
+    assert a.load("w0") == Load(1, 0, 3)  # t2's blocks, the shared prefix included
+    t2.end()
     assert "w0" not in a.local
+    assert "w0" not in a.held
     # Ended before its first byte: the queued part goes, nothing was ever held.
-    early = a.begin("w0", 700, 900)
+    early = a.begin("w0", 700, (21, 22))
     early.end()
     assert "w0" not in a.local
     await ca.delete(ks.load("r:old"))

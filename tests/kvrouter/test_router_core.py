@@ -154,26 +154,26 @@ def test_session_affinity_keeps_each_session_on_its_worker_in_the_simulator() ->
 
 def test_the_overlay_shows_the_hbm_a_burst_has_filled_since_the_last_heartbeat() -> None:
     # "busy" and "roomy" both sent their last heartbeat idle and empty. Since then the
-    # router sent "busy" requests whose 150K prompt tokens are prefilled and decoding
-    # (9,375 of its 10,000 HBM blocks). A 16K-token prompt whose first 4K tokens "busy"
-    # caches would not fit beside them: it would be preempted and wait.
+    # router sent "busy" 12 requests whose prompts (9,375 distinct blocks of its 10,000)
+    # are prefilled and decoding. A 16K-token prompt whose first 4K tokens "busy" caches
+    # would not fit beside them and their output: it would be preempted and wait.
     prompt = tokens(16_384, seed=31)
     heartbeats = [view("busy", mean_output=300.0), view("roomy", mean_output=300.0)]
     matches = {"busy": match("busy", hbm=4096 // BLOCK)}
-    counts = {"busy": Load(in_flight=12, queued_tokens=0, held_tokens=150_000)}
+    counts = {"busy": Load(in_flight=12, queued_tokens=0, held_blocks=9_375)}
 
     def load_of(host: str) -> Load:
         return counts.get(host, Load())
 
     laid = {v.host: v for v in overlay(heartbeats, load_of)}
-    assert laid["busy"].kv_active_blocks == 150_000 // BLOCK
+    assert laid["busy"].kv_active_blocks == 9_375
     assert laid["busy"].in_flight == 12
     assert laid["roomy"] == heartbeats[1]
     # A heartbeat showing more than the router counts (another replica's requests) stays.
     fuller = replace(heartbeats[0], kv_active_blocks=9_800)
     assert overlay([fuller], load_of)[0].kv_active_blocks == 9_800
 
-    # Without the held tokens (what the overlay laid before) the cached 4K tokens win.
+    # Without the held blocks (what the overlay laid before) the cached 4K tokens win.
     # (A fresh policy each time: kv_ttft remembers where it sent a prompt.)
     blind = RouterCore(KvTtftPolicy()).decide(
         request(prompt), heartbeats, lambda h: Load(load_of(h).in_flight), matches

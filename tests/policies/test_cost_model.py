@@ -7,6 +7,7 @@ import pytest
 from indexer.media import Medium
 from policies.cost_model import (
     decode_batch,
+    hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
     prefill_seconds,
@@ -98,3 +99,19 @@ def test_a_prompt_that_overflows_hbm_waits_for_running_requests_to_finish() -> N
     assert bigger == pytest.approx(2 * one_finishes + wasted)
     # Longer outputs hold memory longer.
     assert memory_wait_seconds(full, PROFILE, 16_000, BLOCK, 640.0) > 4 * one_finishes
+
+
+def test_requests_routed_since_the_heartbeat_count_their_whole_output() -> None:
+    # The groups replay at 1 s heartbeats (seed 2, t = 1.83 s): the heartbeat shows 5
+    # running requests and 2,496 of 2,560 blocks held; the router has 13 in flight there
+    # since (its own count, overlaid). Half a 130-token mean output for 5 requests leaves
+    # room for a 16-token prompt, and it was routed there, preempted, and waited 443 ms.
+    # The 8 requests the heartbeat does not show hold what they generated so far as well
+    # as what is to come: a whole mean output each, and there is no room.
+    stale = view("w", running=5, in_flight=13, active=2_496, running_kv=22_000, hbm_capacity=2_560)
+    room = hbm_room_blocks(stale, BLOCK, 130.0)
+    assert room == pytest.approx(2_560 - 2_496 - (5 + 2 * 8) * 65 / BLOCK)
+    assert memory_wait_seconds(stale, PROFILE, 16, BLOCK, 130.0) > 0.0
+    # The same worker once the heartbeat has caught up (all 13 running): half each.
+    fresh = view("w", running=13, in_flight=13, active=2_496, running_kv=22_000, hbm_capacity=2_560)
+    assert hbm_room_blocks(fresh, BLOCK, 130.0) == pytest.approx(2_560 - 2_496 - 13 * 65 / BLOCK)
