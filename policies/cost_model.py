@@ -121,16 +121,21 @@ def hbm_room_blocks(view: WorkerView, block_size: int, mean_output_tokens: float
 
     HBM less the blocks running requests hold (``kv_active_blocks``), the queued
     prefill's blocks and the output still to come of every admitted or queued request
-    (half the mean output each). Cached free blocks count as room: allocations evict
-    them. Negative when the admitted work alone overflows HBM; None when the view does
-    not publish its active blocks.
+    (half the mean output each). Requests in flight beyond the view's running and
+    waiting ones (routed since its heartbeat, known from the router's own count) count
+    a whole mean output: the view holds neither what they have generated so far nor
+    what is still to come. Cached free blocks count as room: allocations evict them.
+    Negative when the admitted work alone overflows HBM; None when the view does not
+    publish its active blocks.
     """
     capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
     active = view.kv_active_blocks
     if capacity <= 0 or (active <= 0 and view.running > 0):
         return None
     queued = -(-view.queued_prefill_tokens // block_size)
-    growth = (view.running + view.waiting) * mean_output_tokens / 2 / block_size
+    admitted = view.running + view.waiting
+    unseen = max(view.in_flight - admitted, 0)
+    growth = (admitted + 2 * unseen) * mean_output_tokens / 2 / block_size
     return capacity - active - queued - growth
 
 
