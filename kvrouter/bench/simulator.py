@@ -25,9 +25,9 @@ tokens, KV usage, profile; ``ts`` = now) and nothing is overlaid. With
 ``view_interval_s > 0`` views are heartbeats taken every interval, and the core
 lays the router's own accounting over them as in the gateway: requests in
 flight, the prompt tokens it routed that have not produced a first token
-yet (the uncached part, by the decision's matched blocks), and the whole
-prompts of those that have and are still running (KV held in HBM); each term
-is the larger of the heartbeat's and the router's.
+yet (the uncached part, by the decision's matched blocks), and the distinct
+prompt blocks of those that have and are still running (KV held in HBM);
+each term is the larger of the heartbeat's and the router's.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
