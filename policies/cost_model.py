@@ -145,6 +145,7 @@ def memory_wait_seconds(
     new_tokens: int,
     block_size: int,
     mean_output_tokens: float,
+    loaded_blocks: int = 0,
 ) -> float:
     """Time a new request with ``new_tokens`` to prefill loses to the worker's full HBM.
 
@@ -152,17 +153,18 @@ def memory_wait_seconds(
     newest running request (by recompute) when a later chunk or a decode step finds HBM
     full. Demand is the blocks running requests hold (``kv_active_blocks``), the queued
     prefill's blocks, the output still to come of every admitted or queued request (half
-    the mean output each) and the new request's own blocks. When that exceeds HBM the
-    new request, the newest, computes what fits, is preempted, waits until enough
-    running requests finish, and starts over: the wait is ``k`` completions, running
-    requests finishing one every ``mean output x decode step / running`` seconds and
-    freeing ``held / running`` blocks each, plus the wasted partial prefill. Returns 0.0
-    when the view does not publish its active blocks.
+    the mean output each) and the new request's own blocks: those it computes and the
+    ``loaded_blocks`` of its prefix it brings up from DRAM or SSD, which need HBM just
+    the same. When that exceeds HBM the new request, the newest, computes what fits, is
+    preempted, waits until enough running requests finish, and starts over: the wait is
+    ``k`` completions, running requests finishing one every ``mean output x decode step
+    / running`` seconds and freeing ``held / running`` blocks each, plus the wasted
+    partial prefill. Returns 0.0 when the view does not publish its active blocks.
     """
     free = hbm_room_blocks(view, block_size, mean_output_tokens)
     if free is None:
         return 0.0
-    excess = -(-new_tokens // block_size) - free
+    excess = -(-new_tokens // block_size) + loaded_blocks - free
     if excess <= 0:
         return 0.0
     capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)

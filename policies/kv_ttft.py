@@ -257,7 +257,10 @@ class KvTtftPolicy:
                 kv,
                 view.queued_prefill_context,
             )
-            memory = memory_wait_seconds(view, profile, new, request.block_size, output)
+            lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0
+            memory = memory_wait_seconds(
+                view, profile, new, request.block_size, output, min(lower, matched)
+            )
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
             prefill = prefill_seconds(profile, new, cached, batch, kv)

@@ -115,3 +115,14 @@ def test_requests_routed_since_the_heartbeat_count_their_whole_output() -> None:
     # The same worker once the heartbeat has caught up (all 13 running): half each.
     fresh = view("w", running=13, in_flight=13, active=2_496, running_kv=22_000, hbm_capacity=2_560)
     assert hbm_room_blocks(fresh, BLOCK, 130.0) == pytest.approx(2_560 - 2_496 - 13 * 65 / BLOCK)
+
+
+def test_a_prefix_loaded_from_dram_needs_hbm_room_like_computed_blocks() -> None:
+    # 9,800 of 10,000 blocks held, 10 running with 160 tokens to come (half each: 50
+    # blocks): 150 blocks of room. A prompt with 16 new tokens fits; the same prompt
+    # whose 4K-token cached prefix (256 blocks) sits in DRAM must bring it into HBM
+    # first, and it does not fit.
+    full = view("w", running=10, active=9_800, running_kv=150_000)
+    assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0) == 0.0
+    assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0, loaded_blocks=100) == 0.0
+    assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0, loaded_blocks=256) > 0.0

@@ -296,6 +296,18 @@ def test_a_worker_about_to_run_out_of_hbm_loses_its_prefix_advantage() -> None:
     assert published.scores["roomy"]["memory_wait_s"] == 0.0
 
 
+def test_a_prefix_in_dram_counts_against_a_nearly_full_hbm() -> None:
+    # "full" caches the 4K-token prefix of a 4,352-token prompt, and its running requests
+    # hold 9,800 of its 10,000 HBM blocks. From HBM the prompt needs one new block and
+    # fits; from DRAM its 256 prefix blocks must come up into HBM too, and they do not.
+    prompt = tokens(4_352, seed=32)
+    full = view("full", running=10, running_kv=150_000, mean_output=160.0, active=9_800)
+    in_hbm = KvTtftPolicy().choose(request(prompt), [full], {"full": match("full", hbm=256)})
+    in_dram = KvTtftPolicy().choose(request(prompt), [full], {"full": match("full", dram=256)})
+    assert in_hbm.scores["full"]["memory_wait_s"] == 0.0
+    assert in_dram.scores["full"]["memory_wait_s"] > 0.0
+
+
 def test_a_queue_holding_one_very_long_prompt_is_longer_than_its_token_count_says() -> None:
     # "long" has one 100K-token prompt queued; "many" has 110K tokens of 1K-token prompts.
     # By tokens "long" is shorter; by time the 100K prompt's later chunks attend to
