@@ -100,12 +100,16 @@ class PrefixMatch(msgspec.Struct, frozen=True):
 
     ``blocks`` is the length of the longest matched prefix (in blocks);
     ``per_medium[r]`` counts those blocks on the medium of rank ``r``
-    (hbm, dram, ssd), so ``sum(per_medium) == blocks``.
+    (hbm, dram, ssd), so ``sum(per_medium) == blocks``. ``idle_hbm`` is the
+    router's annotation, not the index's: of the HBM blocks, those no running
+    request it routed holds (cached free, so taking them uses HBM room);
+    None when the router does not know.
     """
 
     host: str
     blocks: int
     per_medium: tuple[int, int, int] = (0, 0, 0)
+    idle_hbm: int | None = None
 
     def on(self, medium: Medium) -> int:
         """Matched blocks on ``medium``."""

@@ -24,14 +24,25 @@ from msgspec.structs import replace
 
 from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import Load
+from kvrouter.gateway.load import HeldBlocks, Load
 from kvrouter.gateway.pd import PdPlan, PdPlanner
 from policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
-__all__ = ["CoreDecision", "LoadOf", "RouterCore", "candidates", "overlay", "route_request"]
+__all__ = [
+    "CoreDecision",
+    "HeldOf",
+    "LoadOf",
+    "RouterCore",
+    "annotate_idle",
+    "candidates",
+    "overlay",
+    "route_request",
+]
 
 #: The router's own count of what it sent to a worker and not yet finished (or prefilled).
 LoadOf = Callable[[str], Load]
+#: The block keys the router's running requests hold on a worker (None: none).
+HeldOf = Callable[[str], HeldBlocks | None]
 
 
 def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerView]:
@@ -56,6 +67,28 @@ def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerV
                 kv_active_blocks=max(v.kv_active_blocks, tracked.held_blocks),
             )
         out.append(v)
+    return out
+
+
+def annotate_idle(
+    matches: Mapping[str, PrefixMatch], keys: Sequence[int], held_of: HeldOf
+) -> dict[str, PrefixMatch]:
+    """``matches`` with ``idle_hbm`` set: matched HBM blocks none of the router's running
+    requests holds.
+
+    Blocks a running request references are in HBM, so every matched block that is not
+    held and not on DRAM or SSD is a cached free HBM block: the worker takes it out of
+    its free queue to admit the request, as it allocates a new one.
+    """
+    out = {}
+    for host, m in matches.items():
+        hbm = m.per_medium[0]
+        if hbm > 0:
+            held = held_of(host)
+            prefix = keys[: m.blocks]
+            unheld = len(prefix) if held is None else sum(1 for k in prefix if k not in held)
+            m = replace(m, idle_hbm=max(0, min(hbm, unheld - (m.blocks - hbm))))
+        out[host] = m
     return out
 
 
@@ -138,6 +171,7 @@ class RouterCore:
         *,
         cache_aware: bool = True,
         clock: float | None = None,
+        held_of: HeldOf | None = None,
     ) -> CoreDecision:
         """Decide where ``request`` goes.
 
@@ -148,6 +182,9 @@ class RouterCore:
             matches: The index's answer (None: the index failed).
             cache_aware: False routes with the fallback policy (the index is down).
             clock: Affinity's clock (None: monotonic time).
+            held_of: The keys the router's running requests hold per worker, to mark
+                the matched HBM blocks no one holds (None: not known, as with exact
+                views).
 
         Raises:
             NoWorkerError: No worker to choose from.
@@ -155,6 +192,8 @@ class RouterCore:
         if not views:
             raise NoWorkerError(f"no worker serves {request.model!r}")
         laid = overlay(views, load_of)
+        if held_of is not None and matches:
+            matches = annotate_idle(matches, request.block_keys, held_of)
         policy = self.policy if cache_aware else self.fallback
         decision = policy.choose(request, candidates(laid), matches or {})
         worker = decision.worker

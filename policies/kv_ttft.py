@@ -257,10 +257,13 @@ class KvTtftPolicy:
                 kv,
                 view.queued_prefill_context,
             )
-            lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0
-            memory = memory_wait_seconds(
-                view, profile, new, request.block_size, output, min(lower, matched)
-            )
+            # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
+            # request holds them: the router's annotation), leave the room it is priced on.
+            taken = 0
+            if match is not None:
+                lower = match.on(Medium.DRAM) + match.on(Medium.SSD)
+                taken = min(lower + (match.idle_hbm or 0), matched)
+            memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
             prefill = prefill_seconds(profile, new, cached, batch, kv)

@@ -407,6 +407,10 @@ class _Cluster:
         w = self.by_host[host]
         return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held))
 
+    def held_of(self, host: str) -> HeldBlocks:
+        """The block keys the router's running requests hold on ``host``."""
+        return self.by_host[host].tracked_held
+
     def decide(self, i: int, now: float, tokens: int, keys: list[int]) -> CoreDecision:
         """Route trace request ``i`` through the router core, as the gateway does."""
         rec, cfg = self.trace[i], self.config
@@ -419,6 +423,7 @@ class _Cluster:
             out = self.core.decide(
                 request, self.views(now), None if exact else self.tracked,
                 self.index.match_sync(keys), clock=now,
+                held_of=None if exact else self.held_of,
             )  # fmt: skip
         except NoWorkerError as exc:
             raise SimulationError(str(exc)) from exc

@@ -70,6 +70,9 @@ class HeldBlocks:
     def __len__(self) -> int:
         return len(self._refs)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._refs
+
 
 @dataclass(slots=True)
 class Load:

@@ -261,7 +261,7 @@ class Router:
         try:
             out = self.core.decide(
                 req, routable, self.load.load, matches,
-                cache_aware=matches is not None or self.index is None,
+                cache_aware=matches is not None or self.index is None, held_of=self.load.held.get,
             )  # fmt: skip
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), type_="service_unavailable", code="no_worker") from exc

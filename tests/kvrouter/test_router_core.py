@@ -22,11 +22,11 @@ from kvrouter.bench.workloads import ChatWorkload, generate
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.app import _load_models
 from kvrouter.gateway.discovery import WorkerDirectory
-from kvrouter.gateway.load import Load, LoadTracker
+from kvrouter.gateway.load import HeldBlocks, Load, LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import Router
 from kvrouter.policy_factory import build_policy
-from kvrouter.router_core import RouterCore, overlay
+from kvrouter.router_core import RouterCore, annotate_idle, overlay
 from policies.base import Decision, Policy, RouteRequest
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import BLOCK, match, request, tokens, view
@@ -113,7 +113,10 @@ def test_a_trace_routes_the_same_through_the_simulator_and_the_gateway() -> None
             # The gateway is given what the simulator's router knew: the views it routed
             # on (the overlay is idempotent) and an index answering the same matches.
             directory.views = {v.host: v for v in seen.workers}
-            router.index = _index_answering(seen.request.block_keys, seen.matches)
+            # (Without the router's ``idle_hbm`` annotation, which comes from the held keys
+            # of its running requests; llmd_precise does not read it.)
+            answer = {h: replace(m, idle_hbm=None) for h, m in seen.matches.items()}
+            router.index = _index_answering(seen.request.block_keys, answer)
             body = CompletionRequest(model=MODEL, prompt=ids, max_tokens=rec.output_length)
             routed = await router.route(body, seen.request.request_id, rec.session_id, ids=ids)
             assert routed.request.block_keys == seen.request.block_keys
@@ -200,3 +203,24 @@ def test_the_simulators_held_counts_follow_each_request_from_first_token_to_end(
     late = recording.seen[-1].workers
     assert all(v.ts == 0.0 for v in late), "the burst must fit in one heartbeat interval"
     assert sum(v.kv_active_blocks for v in late) >= 2048 // config.block_size
+
+
+def test_matched_hbm_blocks_no_running_request_holds_are_marked_idle() -> None:
+    # w0 matches 4 blocks (3 in HBM, the last in DRAM); the router's running requests on
+    # w0 hold key 11 only. Held blocks are in HBM, so of the other three matched blocks
+    # one is the DRAM one and two are cached free HBM blocks.
+    keys = (11, 12, 13, 14, 15)
+    held = HeldBlocks()
+    held.hold((11, 99))
+    matches = {
+        "w0": PrefixMatch("w0", 4, (3, 1, 0)),
+        "w1": PrefixMatch("w1", 2, (2, 0, 0)),
+        "w2": PrefixMatch("w2", 1, (0, 1, 0)),
+    }
+    marked = annotate_idle(matches, keys, {"w0": held}.get)
+    assert marked["w0"] == PrefixMatch("w0", 4, (3, 1, 0), idle_hbm=2)
+    assert marked["w1"].idle_hbm == 2  # nothing of ours runs there: all of it is free
+    assert marked["w2"].idle_hbm is None  # nothing in HBM to mark
+    held.release((11, 99))
+    assert 11 not in held
+    assert annotate_idle(matches, keys, {"w0": held}.get)["w0"].idle_hbm == 3

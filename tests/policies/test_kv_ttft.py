@@ -8,7 +8,7 @@ import pytest
 from msgspec.structs import replace
 
 from indexer.media import Medium
-from indexer.views import WorkerView
+from indexer.views import PrefixMatch, WorkerView
 from policies.base import NoWorkerError
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 from policies.kv_ttft import KvTtftPolicy
@@ -306,6 +306,26 @@ def test_a_prefix_in_dram_counts_against_a_nearly_full_hbm() -> None:
     in_dram = KvTtftPolicy().choose(request(prompt), [full], {"full": match("full", dram=256)})
     assert in_hbm.scores["full"]["memory_wait_s"] == 0.0
     assert in_dram.scores["full"]["memory_wait_s"] > 0.0
+
+
+def test_a_cached_prefix_no_running_request_holds_uses_the_room_it_is_priced_on() -> None:
+    # The groups replay at 1 s heartbeats (seed 3, t = 2.44 s): 2,311 of 2,560 blocks held
+    # by 13 running requests, 106-token outputs. The prompt's 4K-token group prefix is in
+    # HBM, but cached free (no running request holds it): to admit the request the worker
+    # takes those 256 blocks out of its free queue, and 197 are free after the output to
+    # come, so it waits (there it waited 350-560 ms, and the requests queued behind it).
+    prompt = tokens(4_352, seed=33)
+    w = view(
+        "w", running=13, running_kv=57_000, mean_output=106.0, active=2_311, hbm_capacity=2_560
+    )
+
+    def wait(idle: int | None) -> float:
+        m = PrefixMatch("w", 256, (256, 0, 0), idle_hbm=idle)
+        return KvTtftPolicy().choose(request(prompt), [w], {"w": m}).scores["w"]["memory_wait_s"]
+
+    assert wait(None) == 0.0  # not known: as before
+    assert wait(0) == 0.0  # held by running requests: already counted as active
+    assert wait(256) > 0.0
 
 
 def test_a_queue_holding_one_very_long_prompt_is_longer_than_its_token_count_says() -> None:
