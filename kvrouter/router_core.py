@@ -78,18 +78,32 @@ def annotate_idle(
 
     Blocks a running request references are in HBM, so every matched block that is not
     held and not on DRAM or SSD is a cached free HBM block: the worker takes it out of
-    its free queue to admit the request, as it allocates a new one.
+    its free queue to admit the request, as it allocates a new one. Keys are chained (a
+    request holding a block holds every block before it), so the held part of a prefix
+    is itself a prefix, found by bisection: a few lookups per host at any length.
     """
     out = {}
     for host, m in matches.items():
         hbm = m.per_medium[0]
         if hbm > 0:
             held = held_of(host)
-            prefix = keys[: m.blocks]
-            unheld = len(prefix) if held is None else sum(1 for k in prefix if k not in held)
+            n = min(m.blocks, len(keys))
+            unheld = n - (_held_prefix(keys, n, held) if held else 0)
             m = replace(m, idle_hbm=max(0, min(hbm, unheld - (m.blocks - hbm))))
         out[host] = m
     return out
+
+
+def _held_prefix(keys: Sequence[int], n: int, held: HeldBlocks) -> int:
+    """How many of the first ``n`` keys ``held`` holds, as a prefix."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] in held:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def candidates(views: Sequence[WorkerView]) -> list[WorkerView]:

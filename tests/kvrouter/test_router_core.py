@@ -224,3 +224,10 @@ def test_matched_hbm_blocks_no_running_request_holds_are_marked_idle() -> None:
     held.release((11, 99))
     assert 11 not in held
     assert annotate_idle(matches, keys, {"w0": held}.get)["w0"].idle_hbm == 3
+    # A longer chain: running requests hold its first 3 and first 5 blocks (a chain's
+    # holder holds every block before the ones it holds); 8 matched, all in HBM.
+    chain = tuple(range(100, 112))
+    held.hold(chain[:3])
+    held.hold(chain[:5])
+    long = {"w0": PrefixMatch("w0", 8, (8, 0, 0))}
+    assert annotate_idle(long, chain, {"w0": held}.get)["w0"].idle_hbm == 3
