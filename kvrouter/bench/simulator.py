@@ -27,7 +27,9 @@ lays the router's own accounting over them as in the gateway: requests in
 flight, the prompt tokens it routed that have not produced a first token
 yet (the uncached part, by the decision's matched blocks), and the distinct
 prompt blocks of those that have and are still running (KV held in HBM);
-each term is the larger of the heartbeat's and the router's.
+each term is the larger of the heartbeat's and the router's. The core also
+marks each prefix match's HBM blocks that none of those running requests
+holds (``PrefixMatch.idle_hbm``), from the same held keys.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
