@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
+from indexer.media import Medium
 from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.load import HeldBlocks, Load
@@ -84,7 +85,7 @@ def annotate_idle(
     """
     out = {}
     for host, m in matches.items():
-        hbm = m.per_medium[0]
+        hbm = m.on(Medium.HBM)
         if hbm > 0:
             held = held_of(host)
             n = min(m.blocks, len(keys))

@@ -154,8 +154,9 @@ def memory_wait_seconds(
     full. Demand is the blocks running requests hold (``kv_active_blocks``), the queued
     prefill's blocks, the output still to come of every admitted or queued request (half
     the mean output each) and the new request's own blocks: those it computes and the
-    ``loaded_blocks`` of its prefix it brings up from DRAM or SSD, which need HBM just
-    the same. When that exceeds HBM the new request, the newest, computes what fits, is
+    ``loaded_blocks`` of its prefix it takes from elsewhere (brought up from DRAM or
+    SSD, or cached free HBM blocks it removes from the free queue), which need HBM
+    room just the same. When that exceeds HBM the new request, the newest, computes what fits, is
     preempted, waits until enough running requests finish, and starts over: the wait is
     ``k`` completions, running requests finishing one every ``mean output x decode step
     / running`` seconds and freeing ``held / running`` blocks each, plus the wasted

@@ -326,10 +326,9 @@ class _Cluster:
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
-        #: The prompt's block keys of each request routed (as the gateway's ticket has
-        #: them), then of each request past its first token (held in HBM).
-        self.routed_keys: dict[str, tuple[int, ...]] = {}
-        self.held: dict[str, tuple[int, ...]] = {}
+        #: The prompt's block keys of each request routed, until it ends (as the gateway's
+        #: ticket has them): held on its worker from its first token.
+        self.prompt_keys: dict[str, tuple[int, ...]] = {}
         self.next_beat = 0.0
         planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
         self.core = RouterCore(policy, affinity=SessionAffinity(), planner=planner)
@@ -480,7 +479,7 @@ class _Cluster:
         self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int]
     ) -> None:
         """Add a request to the router's own load count of ``w`` (released as it runs)."""
-        self.routed_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
+        self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
         w.tracked_prefill += uncached
@@ -563,7 +562,7 @@ class _Cluster:
             if handoff is not None:
                 # PD: the prefill-only request is done; its blocks go to the decoder.
                 w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
-                del self.routed_keys[req.request_id]
+                del self.prompt_keys[req.request_id]
                 del self.live[req.request_id]
                 w.in_flight -= 1
                 c = req.cached_tokens
@@ -577,10 +576,9 @@ class _Cluster:
             if rec.first_token_s is None:
                 rec.first_token_s = now
                 w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
-                keys = self.held[req.request_id] = self.routed_keys.pop(req.request_id)
-                w.tracked_held.hold(keys)
+                w.tracked_held.hold(self.prompt_keys[req.request_id])
             if out.finished:
-                w.tracked_held.release(self.held.pop(req.request_id))
+                w.tracked_held.release(self.prompt_keys.pop(req.request_id))
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
                 c = req.cached_tokens
@@ -651,7 +649,7 @@ def simulate(
     workers = cluster.workers
     counts = {w.host: cluster.tracked(w.host) for w in workers}
     leaked = {host: load for host, load in counts.items() if not load.empty()}
-    if leaked or cluster.routed_keys or cluster.held:
+    if leaked or cluster.prompt_keys:
         raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(
