@@ -330,7 +330,7 @@ class _Cluster:
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
         self.next_beat = 0.0
-        planner = PdPlanner(config.pd, None, self.profile) if config.pd != "never" else None
+        planner = PdPlanner(config.pd, self.profile) if config.pd != "never" else None
         self.core = RouterCore(policy, affinity=SessionAffinity(), planner=planner)
         #: Prefill-only requests (PD) by request id: the hand-off waiting for each.
         self.handoffs: dict[str, _Transfer] = {}

@@ -156,7 +156,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         )
         if settings.replica_id:
             load.replica_id = settings.replica_id
-        planner = PdPlanner(settings.pd, load, default_profile())
+        planner = PdPlanner(settings.pd, default_profile())
         affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         router = Router(
             models=models,

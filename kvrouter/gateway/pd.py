@@ -34,7 +34,6 @@ from typing import Literal
 
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, Role, WorkerView
-from kvrouter.gateway.load import Load, LoadTracker
 from policies.cost_model import (
     DEFAULT_TRANSFER_BANDWIDTH,
     prefill_seconds,
@@ -82,19 +81,17 @@ class PdPlan:
 class PdPlanner:
     """Chooses the decode worker and whether to disaggregate (see the module docstring).
 
-    ``load`` is the gateway's own accounting laid over the views (None in the offline
-    simulator, whose views are exact).
+    The views it gets have the router's own counts laid over them already
+    (:func:`kvrouter.router_core.overlay`, called once by the router core).
     """
 
     def __init__(
         self,
         mode: PdMode,
-        load: LoadTracker | None,
         default_profile: TimingProfile | None = None,
         mean_decode_context: int = 2048,
     ) -> None:
         self.mode = mode
-        self.load = load
         self.default_profile = default_profile
         self.mean_decode_context = mean_decode_context
 
@@ -107,9 +104,8 @@ class PdPlanner:
             return None
 
         def rank(v: WorkerView) -> tuple[int, int, str]:
-            in_flight = max(v.in_flight, self._tracked(v.host).in_flight)
             matched = matches[v.host].blocks if v.host in matches else 0
-            return (in_flight, -matched, v.host)
+            return (v.in_flight, -matched, v.host)
 
         return min(pool, key=rank)
 
@@ -157,10 +153,6 @@ class PdPlanner:
             return PdPlan(True, prefill, decode.host, "cheaper_split", predicted)
         return PdPlan(False, local, None, "cheaper_local", predicted)
 
-    def _tracked(self, host: str) -> Load:
-        """The router's own count of what it sent to ``host`` (none without a tracker)."""
-        return self.load.load(host) if self.load is not None else Load()
-
     def _cached(
         self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
     ) -> int:
@@ -177,7 +169,7 @@ class PdPlanner:
         new = num_tokens - cached
         batch = view.running
         kv = view.running_kv_tokens or batch * self.mean_decode_context
-        queued = max(view.queued_prefill_tokens, self._tracked(view.host).queued_tokens)
+        queued = view.queued_prefill_tokens
         ttft = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
         ttft += prefill_seconds(profile, new, cached, batch, kv)
         return ttft, batch * profile.prefill_seconds(new, cached)

@@ -5,13 +5,15 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from indexer.views import Role, WorkerView
-from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.load import Load
 from kvrouter.gateway.pd import DEFAULT_TRANSFER_BANDWIDTH, PdPlanner
-from tests.policies.support import BLOCK, PROFILE, match, view
+from kvrouter.policy_factory import build_policy
+from kvrouter.router_core import RouterCore
+from tests.policies.support import BLOCK, PROFILE, match, request, tokens, view
 
 
 def planner(mode: str = "auto") -> PdPlanner:
-    return PdPlanner(mode, LoadTracker(), PROFILE)  # type: ignore[arg-type]
+    return PdPlanner(mode, PROFILE)  # type: ignore[arg-type]
 
 
 def prefill_view(host: str = "p") -> WorkerView:
@@ -51,3 +53,21 @@ def test_auto_splits_when_local_prefill_would_stall_a_busy_decoder() -> None:
     assert stall == 64 * PROFILE.prefill_seconds(prompt)
     assert plan.predicted["split_transfer"] == transfer
     assert plan.header()["mode"] == "disaggregated"
+
+
+def test_through_the_router_core_the_plan_sees_what_the_router_sent_since_the_heartbeat() -> None:
+    # Two idle decoders by their heartbeats; the router has since sent three requests
+    # to d1 (its own count). The planner, handed the core's overlaid views, takes d2.
+    core = RouterCore(build_policy("least_load"), planner=planner("always"))
+    workers = [prefill_view(), decode_view("d1"), decode_view("d2")]
+    tracked = {"d1": Load(in_flight=3)}
+
+    def load_of(host: str) -> Load:
+        return tracked.get(host, Load())
+
+    req = request(tokens(4096, seed=1))
+    stale = core.decide(req, workers, None, {}).plan
+    laid = core.decide(req, workers, load_of, {}).plan
+    assert stale is not None
+    assert laid is not None
+    assert (stale.decode, laid.decode) == ("d1", "d2")
