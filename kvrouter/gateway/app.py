@@ -282,11 +282,16 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         # Every known worker has a series (one whose count fell to zero reads 0, not its
         # last value); a worker that left and holds no count loses its series.
         known = {*gw.load.workers(), *gw.directory.views}
+        per_worker = (metrics.in_flight, metrics.held_blocks, metrics.queued_tokens)
         for w in gauged - known:
-            with suppress(KeyError):
-                metrics.in_flight.remove(w)
+            for gauge in per_worker:
+                with suppress(KeyError):
+                    gauge.remove(w)
         for w in known:
-            metrics.in_flight.labels(w).set(gw.load.load(w).in_flight)
+            counted = gw.load.load(w)
+            metrics.in_flight.labels(w).set(counted.in_flight)
+            metrics.held_blocks.labels(w).set(counted.held_blocks)
+            metrics.queued_tokens.labels(w).set(counted.queued_tokens)
         gauged.clear()
         gauged.update(known)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -67,6 +67,16 @@ class RouterMetrics:
             "worker_in_flight", "Requests in flight per worker, all gateway replicas",
             ["worker"], namespace=ns, registry=registry,
         )  # fmt: skip
+        self.held_blocks = Gauge(
+            "worker_held_blocks", "HBM blocks the prompts routed to a worker hold (its requests "
+            "past their first byte and not finished), all gateway replicas",
+            ["worker"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.queued_tokens = Gauge(
+            "worker_queued_prefill_tokens", "Prompt tokens routed to a worker and not yet "
+            "prefilled (before their first byte), all gateway replicas",
+            ["worker"], namespace=ns, registry=registry,
+        )  # fmt: skip
         self.cache_aware = Gauge(
             "cache_aware_routing", "1 while the index answers (cache-aware routing); 0 while "
             "routing falls back to load only", namespace=ns, registry=registry,

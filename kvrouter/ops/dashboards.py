@@ -193,6 +193,25 @@ def gateway() -> Dashboard:
                         "Requests in flight per worker, all gateway replicas.",
                     ),
                     Panel(
+                        "KV held per worker (router's count)",
+                        (Target("max by (worker) (kvrouter_worker_held_blocks)", "{{worker}}"),),
+                        "none",
+                        "HBM blocks the prompts routed to each worker hold from their first "
+                        "byte to their end, all gateway replicas; the router lays it over the "
+                        "heartbeat's kv_active_blocks. Idle, it reads 0.",
+                    ),
+                    Panel(
+                        "Prompt tokens queued per worker (router's count)",
+                        (
+                            Target(
+                                "max by (worker) (kvrouter_worker_queued_prefill_tokens)",
+                                "{{worker}}",
+                            ),
+                        ),
+                        "none",
+                        "Prompt tokens routed to each worker and not yet prefilled.",
+                    ),
+                    Panel(
                         "Redis errors/s by operation",
                         (Target(rate("kvrouter_redis_errors_total", "op"), "{{op}}"),),
                         "ops",

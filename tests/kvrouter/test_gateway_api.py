@@ -36,16 +36,30 @@ def client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.gateway}/v1", api_key="sk-test", max_retries=0)
 
 
+#: The gateway's own per-worker counts, which must all return to 0 when it is idle.
+COUNTS = ("in_flight", "held_blocks", "queued_prefill_tokens")
+
+
+def counted(text: str, count: str) -> dict[str, float]:
+    """``kvrouter_worker_<count>`` per worker in a metrics scrape."""
+    prefix = f'kvrouter_worker_{count}{{worker="'
+    return {
+        ln[len(prefix) :].split('"', 1)[0]: float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith(prefix)
+    }
+
+
 def wait_unloaded(cluster: Cluster, timeout: float = 15.0) -> str:
-    """Poll the gateway's in-flight gauge until every worker reads 0; returns the metrics text."""
+    """Poll the gateway's per-worker counts until every one reads 0; returns the metrics text."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(f"{cluster.gateway}/metrics").text
-        lines = [ln for ln in text.splitlines() if ln.startswith("kvrouter_worker_in_flight{")]
-        if all(ln.endswith(" 0.0") for ln in lines):
+        counts = {c: counted(text, c) for c in COUNTS}
+        if not any(v for c in counts.values() for v in c.values()):
             return text
         if time.monotonic() > deadline:
-            raise AssertionError(f"in-flight counts did not return to 0: {lines}")
+            raise AssertionError(f"the gateway's counts did not return to 0: {counts}")
         time.sleep(0.05)
 
 
@@ -212,6 +226,10 @@ def test_no_counter_leaks_after_success_errors_and_disconnects(cluster: Cluster)
         ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
+            # Mid-stream the worker holds the prompt's blocks, and the gateway counts them.
+            worker = r.headers["x-kvrouter-worker"]
+            held = counted(httpx.get(f"{cluster.gateway}/metrics").text, "held_blocks")
+            assert held[worker] > 0
     httpx.post(
         f"{cluster.gateway}/v1/completions",
         json={"model": MODEL, "prompt": "x", "max_tokens": 99999},

@@ -165,13 +165,16 @@ def test_clients_that_hang_up_before_the_first_byte_leave_no_load_anywhere(
         assert got == [b""] * 20  # nobody had a byte: all left before their first one
 
         def nothing_in_flight() -> bool:
-            """workers publish 0 in flight and the gateway counts 0"""
+            """workers publish 0 in flight and the gateway counts 0 in flight, held, queued"""
             published = published_in_flight(redis_url)
             if set(published) != set(workers) or any(published.values()):
                 return False
             scrape = httpx.get(f"{gw}/metrics").text
             counted = gauges(scrape, "kvrouter_worker_in_flight")
-            return set(counted) >= set(workers) and not any(counted.values())
+            held = gauges(scrape, "kvrouter_worker_held_blocks")
+            queued = gauges(scrape, "kvrouter_worker_queued_prefill_tokens")
+            idle = not any([*counted.values(), *held.values(), *queued.values()])
+            return set(counted) >= set(workers) and idle
 
         wait_until(nothing_in_flight, timeout=2.0)
         client = redis.Redis.from_url(redis_url)
