@@ -42,30 +42,51 @@ __all__ = [
 
 #: The router's own count of what it sent to a worker and not yet finished (or prefilled).
 LoadOf = Callable[[str], Load]
+#: The router's count for a worker when the router got the heartbeat it is handed
+#: (None: not known for that heartbeat).
+SeenOf = Callable[[WorkerView], Load | None]
 #: The block keys the router's running requests hold on a worker (None: none).
 HeldOf = Callable[[str], HeldBlocks | None]
 
 
-def overlay(views: Sequence[WorkerView], load_of: LoadOf | None) -> list[WorkerView]:
+def overlay(
+    views: Sequence[WorkerView], load_of: LoadOf | None, seen_of: SeenOf | None = None
+) -> list[WorkerView]:
     """``views`` with the router's own counts laid over them (None: the views are exact).
 
     Heartbeats lag by up to one interval; the router's counts of what it routed are
-    current. Each term takes the larger of the two, so a burst routed since the last
-    heartbeat is seen at once: its requests in flight, the prompt tokens still to
-    prefill, and the HBM blocks that the prompts already prefilled hold
-    (``kv_active_blocks``, which a heartbeat taken before they arrived shows empty).
+    current, so a burst routed since the last heartbeat is seen at once: its
+    requests in flight, the prompt tokens still to prefill, and the HBM blocks that
+    the prompts already prefilled hold (``kv_active_blocks``, which a heartbeat taken
+    before they arrived shows empty).
+
+    Where ``seen_of`` gives the router's counts as they were when a worker's
+    heartbeat was taken, each term is the router's count now plus what the
+    heartbeat showed beyond the router's count then (load the router did not send,
+    such as another router's, or a decode's growing KV): a request that got its
+    first token or finished since the heartbeat leaves the figures at once instead
+    of a whole interval later. Without it each term is the larger of the two.
     """
     if load_of is None:
         return list(views)
     out = []
     for v in views:
-        tracked = load_of(v.host)
-        if not tracked.empty():
+        now = load_of(v.host)
+        seen = seen_of(v) if seen_of is not None else None
+        if seen is not None:
             v = replace(
                 v,
-                in_flight=max(v.in_flight, tracked.in_flight),
-                queued_prefill_tokens=max(v.queued_prefill_tokens, tracked.queued_tokens),
-                kv_active_blocks=max(v.kv_active_blocks, tracked.held_blocks),
+                in_flight=now.in_flight + max(v.in_flight - seen.in_flight, 0),
+                queued_prefill_tokens=now.queued_tokens
+                + max(v.queued_prefill_tokens - seen.queued_tokens, 0),
+                kv_active_blocks=now.held_blocks + max(v.kv_active_blocks - seen.held_blocks, 0),
+            )
+        elif not now.empty():
+            v = replace(
+                v,
+                in_flight=max(v.in_flight, now.in_flight),
+                queued_prefill_tokens=max(v.queued_prefill_tokens, now.queued_tokens),
+                kv_active_blocks=max(v.kv_active_blocks, now.held_blocks),
             )
         out.append(v)
     return out
@@ -187,6 +208,7 @@ class RouterCore:
         cache_aware: bool = True,
         clock: float | None = None,
         held_of: HeldOf | None = None,
+        seen_of: SeenOf | None = None,
     ) -> CoreDecision:
         """Decide where ``request`` goes.
 
@@ -200,13 +222,15 @@ class RouterCore:
             held_of: The keys the router's running requests hold per worker, to mark
                 the matched HBM blocks no one holds (None: not known, as with exact
                 views).
+            seen_of: The router's counts per worker when its heartbeat was taken
+                (:func:`overlay`; None: not known).
 
         Raises:
             NoWorkerError: No worker to choose from.
         """
         if not views:
             raise NoWorkerError(f"no worker serves {request.model!r}")
-        laid = overlay(views, load_of)
+        laid = overlay(views, load_of, seen_of)
         if held_of is not None and matches:
             matches = annotate_idle(matches, request.block_keys, held_of)
         policy = self.policy if cache_aware else self.fallback

@@ -27,7 +27,9 @@ lays the router's own accounting over them as in the gateway: requests in
 flight, the prompt tokens it routed that have not produced a first token
 yet (the uncached part, by the decision's matched blocks), and the distinct
 prompt blocks of those that have and are still running (KV held in HBM);
-each term is the larger of the heartbeat's and the router's. The core also
+each term is the router's count now plus what the heartbeat showed beyond the
+router's count when it was taken (as the gateway notes its counts when a
+heartbeat arrives). The core also
 marks each prefix match's HBM blocks that none of those running requests
 holds (``PrefixMatch.idle_hbm``), from the same held keys.
 
@@ -245,6 +247,7 @@ class _Worker:
     in_flight: int = 0
     step: tuple[SchedulerPlan, StepResult] | None = None
     beat: WorkerView | None = None
+    beat_seen: Load | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
     #: The router's own count of the prompt blocks held here (first token to finish).
@@ -393,6 +396,7 @@ class _Cluster:
         beat = math.floor(now / interval) * interval
         for w in self.workers:
             w.beat = self.view(w, beat)
+            w.beat_seen = self.tracked(w.host)
         self.next_beat = beat + interval
 
     def views(self, now: float) -> list[WorkerView]:
@@ -407,6 +411,10 @@ class _Cluster:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
         return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held))
+
+    def seen_of(self, view: WorkerView) -> Load | None:
+        """The router's count for a worker when its last heartbeat was taken."""
+        return self.by_host[view.host].beat_seen
 
     def held_of(self, host: str) -> HeldBlocks:
         """The block keys the router's running requests hold on ``host``."""
@@ -425,6 +433,7 @@ class _Cluster:
                 request, self.views(now), None if exact else self.tracked,
                 self.index.match_sync(keys), clock=now,
                 held_of=None if exact else self.held_of,
+                seen_of=None if exact else self.seen_of,
             )  # fmt: skip
         except NoWorkerError as exc:
             raise SimulationError(str(exc)) from exc

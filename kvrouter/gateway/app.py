@@ -156,6 +156,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         )
         if settings.replica_id:
             load.replica_id = settings.replica_id
+        directory.on_view = load.saw
         planner = PdPlanner(settings.pd, default_profile())
         affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         router = Router(

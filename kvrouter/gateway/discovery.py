@@ -107,6 +107,9 @@ class WorkerDirectory:
     internal_token: str | None = None
     allowed: AllowedWorkers = field(default_factory=AllowedWorkers)
     clock: Callable[[], float] = time.time
+    #: Called with (host, heartbeat ts) when a worker's heartbeat changes, (host, None)
+    #: when it leaves (the router notes its own counts of that moment).
+    on_view: Callable[[str, float | None], None] | None = None
     views: dict[str, WorkerView] = field(default_factory=dict)
     benched: dict[str, float] = field(default_factory=dict)
     refused: set[tuple[str, str]] = field(default_factory=set)
@@ -164,6 +167,13 @@ class WorkerDirectory:
         for host in set(self.views) - set(accepted):
             self.metrics.worker_up.labels(host).set(0)
             self.last_seen.pop(host, None)
+            if self.on_view is not None:
+                self.on_view(host, None)
+        if self.on_view is not None:
+            for host, view in accepted.items():
+                known = self.views.get(host)
+                if known is None or known.ts != view.ts:
+                    self.on_view(host, view.ts)
         self.views = accepted
         for host, view in accepted.items():
             benched_at = self.benched.get(host)

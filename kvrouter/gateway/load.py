@@ -21,6 +21,12 @@ increments) and renews its lease, then reads the other live replicas'.
 A crashed replica's counts vanish when its lease expires, so nothing it
 held leaks; a request that ends in any way (success, error, client gone)
 releases its counts through :class:`Ticket`, exactly once.
+
+The counts also date each heartbeat: when discovery gets a worker's new
+heartbeat, :meth:`LoadTracker.saw` notes the counts of that moment, so the
+overlay can tell what the heartbeat shows beyond this router's own requests
+(another router's, a decode's growing KV) from what this router has already
+seen end since (``kvrouter.router_core.overlay``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from redis.exceptions import RedisError
 
 from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
+from indexer.views import WorkerView
 from indexer.wire import Keyspace
 
 __all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket"]
@@ -155,6 +162,8 @@ class LoadTracker:
     local: dict[str, Load] = field(default_factory=dict)
     remote: dict[str, Load] = field(default_factory=dict)
     held: dict[str, HeldBlocks] = field(default_factory=dict)
+    #: Per worker: (``ts`` of its latest heartbeat, the counts when it arrived).
+    seen: dict[str, tuple[float, Load]] = field(default_factory=dict)
     healthy: bool = True
     _task: asyncio.Task[None] | None = None
 
@@ -190,6 +199,23 @@ class LoadTracker:
             if part is not None:
                 total.add(part)
         return total
+
+    def saw(self, worker: str, ts: float | None) -> None:
+        """A heartbeat of ``worker`` taken at ``ts`` arrived (None: the worker left).
+
+        The counts of this moment are what the heartbeat already reflects of this
+        router's requests; :meth:`seen_at` hands them to the overlay
+        (:func:`kvrouter.router_core.overlay`).
+        """
+        if ts is None:
+            self.seen.pop(worker, None)
+        elif worker not in self.seen or self.seen[worker][0] != ts:
+            self.seen[worker] = (ts, self.load(worker))
+
+    def seen_at(self, view: WorkerView) -> Load | None:
+        """The counts when ``view`` arrived (None: another heartbeat, or none noted)."""
+        seen = self.seen.get(view.host)
+        return seen[1] if seen is not None and seen[0] == view.ts else None
 
     def workers(self) -> Iterable[str]:
         """Workers with any load counted."""

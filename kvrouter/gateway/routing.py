@@ -211,10 +211,11 @@ class Router:
         """Routable workers with the gateway's load accounting laid over their heartbeats.
 
         Heartbeats lag by up to one interval; the gateway's counts of what it
-        routed (all replicas) are current. Each term takes the larger of the two,
-        so a burst routed since the last heartbeat is seen at once.
+        routed (all replicas) are current: each term is the count now plus what the
+        heartbeat showed beyond the count when it arrived (``router_core.overlay``).
         """
-        return candidates(overlay(self.directory.routable(model), self.load.load))
+        laid = overlay(self.directory.routable(model), self.load.load, self.load.seen_at)
+        return candidates(laid)
 
     async def route(
         self,
@@ -262,6 +263,7 @@ class Router:
             out = self.core.decide(
                 req, routable, self.load.load, matches,
                 cache_aware=matches is not None or self.index is None, held_of=self.load.held.get,
+                seen_of=self.load.seen_at,
             )  # fmt: skip
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), type_="service_unavailable", code="no_worker") from exc

@@ -150,6 +150,47 @@ async def test_discovery_refuses_mismatched_workers_and_benches_failed_ones(redi
     await client.aclose()
 
 
+async def test_each_new_heartbeat_is_dated_with_the_routers_counts_of_its_arrival(
+    redis_url: str,
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    ks = Keyspace()
+    load = LoadTracker()
+    d = WorkerDirectory(
+        metrics=RouterMetrics(CollectorRegistry()), block_size=16, models={"tiny"},
+        client=client, grace_s=0.0, on_view=load.saw,
+    )  # fmt: skip
+
+    async def beat(ts: float) -> None:
+        view = WorkerView(host="w", url="http://w", model="tiny", block_size=16, ts=ts)
+        await client.hset(ks.hosts, "w", 1)
+        await client.set(ks.heartbeat("w"), encode_view(view), px=5000)
+
+    t0 = time.time()
+    ticket = load.begin("w", 4096, keys=[1, 2, 3])
+    await beat(t0)
+    await d.refresh()
+    first = d.views["w"]
+    assert load.seen_at(first) == Load(1, 4096, 0)
+    # The request got its first token; the same heartbeat keeps its date, a new one
+    # gets the counts of its own arrival.
+    ticket.first_byte()
+    await d.refresh()
+    assert load.seen_at(d.views["w"]) == Load(1, 4096, 0)
+    await beat(t0 + 1)
+    await d.refresh()
+    assert load.seen_at(d.views["w"]) == Load(1, 0, 3)
+    assert load.seen_at(first) is None  # an older heartbeat is not dated by a newer one
+    ticket.end()
+    # The worker leaves: its date goes with it.
+    await client.delete(ks.heartbeat("w"))
+    await client.hdel(ks.hosts, "w")
+    await d.refresh()
+    assert "w" not in d.views
+    assert load.seen == {}
+    await client.aclose()
+
+
 async def test_a_wiped_registry_keeps_known_workers_for_a_grace_period(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     ks = Keyspace()

@@ -188,6 +188,46 @@ def test_the_overlay_shows_the_hbm_a_burst_has_filled_since_the_last_heartbeat()
     assert seen.decision.scores["roomy"]["memory_wait_s"] == 0.0
 
 
+def test_the_overlay_drops_what_ended_since_the_heartbeat_and_keeps_what_it_did_not_send() -> None:
+    # "cached" holds a 4K-token prefix. Its last heartbeat was taken while the router's
+    # one request there was still prefilling (4,352 tokens queued, counted by the
+    # router then too); that request has since got its first token. "cold" is idle.
+    prompt = tokens(4_352, seed=32)
+    heartbeat = view("cached", in_flight=1, running=1, queued=4_352, mean_output=200.0)
+    views = [heartbeat, view("cold", mean_output=200.0)]
+    matches = {"cached": match("cached", hbm=4096 // BLOCK)}
+    then = {"cached": Load(in_flight=1, queued_tokens=4_352)}
+    now = {"cached": Load(in_flight=1, held_blocks=272)}
+
+    def load_of(host: str) -> Load:
+        return now.get(host, Load())
+
+    def seen_of(v: WorkerView) -> Load | None:
+        return then.get(v.host, Load())
+
+    # Larger-of-the-two keeps the drained queue for the rest of the interval.
+    stale = overlay(views, load_of)[0]
+    assert stale.queued_prefill_tokens == 4_352
+    laid = overlay(views, load_of, seen_of)[0]
+    assert (laid.queued_prefill_tokens, laid.in_flight, laid.kv_active_blocks) == (0, 1, 272)
+    # What the heartbeat shows beyond the router's count then (another router's
+    # requests) stays, on top of the router's count now.
+    busier = replace(heartbeat, queued_prefill_tokens=6_000, in_flight=3, kv_active_blocks=500)
+    foreign = overlay([busier], load_of, seen_of)[0]
+    assert (foreign.queued_prefill_tokens, foreign.in_flight) == (6_000 - 4_352, 1 + 2)
+    assert foreign.kv_active_blocks == 272 + 500
+
+    # The stale queue sends the request to prefill 4K tokens again on "cold"; with the
+    # heartbeat dated it reuses the prefix.
+    blind = RouterCore(KvTtftPolicy()).decide(request(prompt), views, load_of, matches)
+    assert blind.worker == "cold"
+    dated = RouterCore(KvTtftPolicy()).decide(
+        request(prompt), views, load_of, matches, seen_of=seen_of
+    )
+    assert dated.worker == "cached"
+    assert dated.decision.scores["cached"]["queue_s"] == 0.0
+
+
 def test_the_simulators_held_counts_follow_each_request_from_first_token_to_end() -> None:
     # A burst of long prompts inside one heartbeat interval: later arrivals see the KV the
     # earlier ones hold (the heartbeat at t=0 showed every worker empty); the replay then
