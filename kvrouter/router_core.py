@@ -80,6 +80,8 @@ def overlay(
                 queued_prefill_tokens=now.queued_tokens
                 + max(v.queued_prefill_tokens - seen.queued_tokens, 0),
                 kv_active_blocks=now.held_blocks + max(v.kv_active_blocks - seen.held_blocks, 0),
+                queued_prefill_context=now.queued_context
+                + max(v.queued_prefill_context - seen.queued_context, 0),
             )
         elif not now.empty():
             v = replace(
@@ -87,6 +89,7 @@ def overlay(
                 in_flight=max(v.in_flight, now.in_flight),
                 queued_prefill_tokens=max(v.queued_prefill_tokens, now.queued_tokens),
                 kv_active_blocks=max(v.kv_active_blocks, now.held_blocks),
+                queued_prefill_context=max(v.queued_prefill_context, now.queued_context),
             )
         out.append(v)
     return out

@@ -28,6 +28,7 @@ __all__ = [
     "hbm_room_blocks",
     "load_seconds",
     "memory_wait_seconds",
+    "prefill_context",
     "prefill_seconds",
     "pull_seconds",
     "queue_seconds",
@@ -83,6 +84,16 @@ def decode_batch(view: WorkerView, mean_context: int) -> tuple[int, int]:
     if view.running_kv_tokens > 0 or view.running == 0:
         return view.running, view.running_kv_tokens
     return view.running, view.running * mean_context
+
+
+def prefill_context(num_tokens: int, new_tokens: int) -> int:
+    """The attention work of prefilling the last ``new_tokens`` of ``num_tokens``.
+
+    ``new * (cached + new / 2)``: what a worker's ``queued_prefill_context`` sums over
+    its queue (:func:`queue_seconds`).
+    """
+    new = max(min(new_tokens, num_tokens), 0)
+    return new * (num_tokens - new) + new * new // 2
 
 
 def queue_seconds(

@@ -74,7 +74,7 @@ from kvrouter.gateway.load import HeldBlocks, Load
 from kvrouter.gateway.pd import PdMode, PdPlanner
 from kvrouter.router_core import CoreDecision, RouterCore, route_request
 from policies.base import NoWorkerError, Policy
-from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
+from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH, prefill_context
 
 __all__ = [
     "SimConfig",
@@ -250,6 +250,7 @@ class _Worker:
     beat_seen: Load | None = None
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
+    tracked_context: int = 0
     #: The router's own count of the prompt blocks held here (first token to finish).
     tracked_held: HeldBlocks = field(default_factory=HeldBlocks)
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
@@ -329,6 +330,7 @@ class _Cluster:
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
+        self.pending_context: dict[str, int] = {}
         #: The prompt's block keys of each request routed, until it ends (as the gateway's
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
@@ -410,7 +412,7 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
-        return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held))
+        return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held), w.tracked_context)
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
@@ -492,8 +494,16 @@ class _Cluster:
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
         w.tracked_prefill += uncached
+        context = prefill_context(tokens, uncached)
+        w.tracked_context += context
         self.pending_prefill[rid] = uncached
+        self.pending_context[rid] = context
         self.live[rid] = i
+
+    def prefilled(self, w: _Worker, rid: str) -> None:
+        """``rid``'s prompt is computed: it leaves the router's queued count of ``w``."""
+        w.tracked_prefill -= self.pending_prefill.pop(rid, 0)
+        w.tracked_context -= self.pending_context.pop(rid, 0)
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
@@ -570,7 +580,7 @@ class _Cluster:
             handoff = self.handoffs.pop(req.request_id, None) if out.finished else None
             if handoff is not None:
                 # PD: the prefill-only request is done; its blocks go to the decoder.
-                w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
+                self.prefilled(w, req.request_id)
                 del self.prompt_keys[req.request_id]
                 del self.live[req.request_id]
                 w.in_flight -= 1
@@ -584,7 +594,7 @@ class _Cluster:
             assert rec is not None
             if rec.first_token_s is None:
                 rec.first_token_s = now
-                w.tracked_prefill -= self.pending_prefill.pop(req.request_id, 0)
+                self.prefilled(w, req.request_id)
                 w.tracked_held.hold(self.prompt_keys[req.request_id])
             if out.finished:
                 w.tracked_held.release(self.prompt_keys.pop(req.request_id))

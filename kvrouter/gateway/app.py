@@ -449,7 +449,9 @@ async def _open(
     prefill_tokens = _prefill_tokens(routed)
     prefilled_on = prefill_cached = None
     if plan is not None and plan.disaggregate and plan.decode is not None:
-        handed = await _prefill_elsewhere(gw, plan, candidates, path, raw, rid, prefill_tokens)
+        handed = await _prefill_elsewhere(
+            gw, plan, candidates, path, raw, rid, prefill_tokens, routed.prompt_tokens
+        )
         if handed is not None:
             raw["kv_transfer_params"], prefill_cached, prefilled_on = handed
         others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
@@ -460,7 +462,7 @@ async def _open(
         raw["kv_transfer_params"] = pool
     up = await gw.dispatcher.open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
-        keys=routed.request.block_keys,
+        keys=routed.request.block_keys, prompt_tokens=routed.prompt_tokens,
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up, prefilled_on, prefill_cached)
@@ -569,6 +571,7 @@ async def _prefill_elsewhere(
     raw: dict[str, Any],
     rid: str,
     prefill_tokens: dict[str, int],
+    prompt_tokens: int,
 ) -> tuple[dict[str, Any], dict[str, int], str] | None:
     """Run the prefill-only request: its ``kv_transfer_params``, the prefill worker's
     ``cached_tokens_by_medium`` and name; or None to prefill locally.
@@ -584,7 +587,7 @@ async def _prefill_elsewhere(
     try:
         up = await gw.dispatcher.open(
             prefillers, path, encode_body(body), f"{rid}-prefill", prefill_tokens,
-            whole=True,
+            whole=True, prompt_tokens=prompt_tokens,
         )  # fmt: skip
     except ApiError as exc:
         reason = "prefill_unavailable"

@@ -94,11 +94,13 @@ class Dispatcher:
         *,
         whole: bool,
         keys: Sequence[int] = (),
+        prompt_tokens: int = 0,
     ) -> Upstream:
         """Send ``body`` to the first candidate that answers; ``whole`` reads the full body.
 
-        ``prefill_tokens`` is what each candidate would still prefill; ``keys`` the
-        prompt's block keys, which the worker holds in HBM from the first byte to the end.
+        ``prefill_tokens`` is what each candidate would still prefill, of a prompt of
+        ``prompt_tokens``; ``keys`` the prompt's block keys, which the worker holds in
+        HBM from the first byte to the end.
 
         Raises:
             ApiError: 503 when every attempt failed before the first byte.
@@ -111,7 +113,7 @@ class Dispatcher:
             view = self.directory.views.get(worker)
             if view is None or worker in self.directory.benched:
                 continue
-            ticket = self.load.begin(worker, prefill_tokens.get(worker, 0), keys)
+            ticket = self.load.begin(worker, prefill_tokens.get(worker, 0), keys, prompt_tokens)
             try:
                 up = await self._attempt(worker, view.url + path, body, headers, ticket, whole)
             except _RetryableError as exc:

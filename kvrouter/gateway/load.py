@@ -10,11 +10,13 @@ heartbeat has filled HBM that the heartbeat still shows empty. Replicas
 share them through Redis *leases*::
 
     {p}:load:replicas            zset   replica -> lease expiry (ms)
-    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks"
-                                                   (PEXPIRE lease)
+    {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks,
+                                                    queued_context" (PEXPIRE lease)
 
-A reader also accepts the two-field form "in_flight,queued_tokens" of older
-replicas (held 0) during a rolling upgrade.
+``queued_context`` is the attention work of the queued tokens, as a worker's
+heartbeat counts it (``queued_prefill_context``). A reader also accepts the
+two- and three-field forms of older replicas (the missing fields 0) during a
+rolling upgrade.
 
 Every ``sync_interval_s`` a replica writes its absolute counts (never
 increments) and renews its lease, then reads the other live replicas'.
@@ -44,6 +46,7 @@ from indexer.ingest_reader import Client as RedisClient
 from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import Keyspace
+from policies.cost_model import prefill_context
 
 __all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket"]
 
@@ -93,31 +96,34 @@ class Load:
     in_flight: int = 0
     queued_tokens: int = 0
     held_blocks: int = 0
+    #: The attention work of ``queued_tokens`` (a view's ``queued_prefill_context``).
+    queued_context: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
         self.in_flight += other.in_flight
         self.queued_tokens += other.queued_tokens
         self.held_blocks += other.held_blocks
+        self.queued_context += other.queued_context
 
     def empty(self) -> bool:
         """Nothing counted."""
-        return not (self.in_flight or self.queued_tokens or self.held_blocks)
+        return not (self.in_flight or self.queued_tokens or self.held_blocks or self.queued_context)
 
     def pack(self) -> str:
         """The load-sharing wire form."""
-        return f"{self.in_flight},{self.queued_tokens},{self.held_blocks}"
+        return f"{self.in_flight},{self.queued_tokens},{self.held_blocks},{self.queued_context}"
 
     @classmethod
     def unpack(cls, packed: bytes) -> Load:
-        """Parse :meth:`pack`'s form (or an older replica's two-field one).
+        """Parse :meth:`pack`'s form (or an older replica's two- or three-field one).
 
         Raises:
-            ValueError: Not two or three integers.
+            ValueError: Not two to four integers.
         """
         fields = [int(x) for x in packed.split(b",")]
-        if len(fields) not in (2, 3):
-            raise ValueError(f"load entry {packed!r}: expected 2 or 3 fields")
+        if not 2 <= len(fields) <= 4:
+            raise ValueError(f"load entry {packed!r}: expected 2 to 4 fields")
         return cls(*fields)
 
 
@@ -130,6 +136,8 @@ class Ticket:
     prefill_tokens: int
     #: The prompt's block keys (cached ones included): what the worker holds once prefilled.
     keys: Sequence[int] = ()
+    #: The attention work of that prefill (``policies.cost_model.prefill_context``).
+    prefill_context: int = 0
     prefilled: bool = False
     ended: bool = False
 
@@ -137,7 +145,9 @@ class Ticket:
         """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            self.tracker._add(self.worker, 0, -self.prefill_tokens, hold=self.keys)
+            self.tracker._add(
+                self.worker, 0, -self.prefill_tokens, -self.prefill_context, hold=self.keys
+            )
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -147,7 +157,7 @@ class Ticket:
         if self.prefilled:
             self.tracker._add(self.worker, -1, 0, release=self.keys)
         else:
-            self.tracker._add(self.worker, -1, -self.prefill_tokens)
+            self.tracker._add(self.worker, -1, -self.prefill_tokens, -self.prefill_context)
 
 
 @dataclass(slots=True)
@@ -167,21 +177,26 @@ class LoadTracker:
     healthy: bool = True
     _task: asyncio.Task[None] | None = None
 
-    def begin(self, worker: str, prefill_tokens: int, keys: Sequence[int] = ()) -> Ticket:
+    def begin(
+        self, worker: str, prefill_tokens: int, keys: Sequence[int] = (), prompt_tokens: int = 0
+    ) -> Ticket:
         """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
-        The prompt's block ``keys`` are held from its first byte to its end.
+        The prompt's block ``keys`` are held from its first byte to its end; with its
+        length ``prompt_tokens`` the attention work of the prefill is counted too.
         """
-        self._add(worker, 1, prefill_tokens)
-        return Ticket(self, worker, prefill_tokens, keys)
+        context = prefill_context(prompt_tokens, prefill_tokens) if prompt_tokens else 0
+        self._add(worker, 1, prefill_tokens, context)
+        return Ticket(self, worker, prefill_tokens, keys, context)
 
     def _add(
-        self, worker: str, in_flight: int, tokens: int,
+        self, worker: str, in_flight: int, tokens: int, context: int = 0,
         hold: Sequence[int] = (), release: Sequence[int] = (),
     ) -> None:  # fmt: skip
         load = self.local.setdefault(worker, Load())
         load.in_flight += in_flight
         load.queued_tokens += tokens
+        load.queued_context += context
         if hold or release:
             held = self.held.setdefault(worker, HeldBlocks())
             held.hold(hold)

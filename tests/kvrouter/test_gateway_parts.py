@@ -107,6 +107,42 @@ async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_pre
     await cb.aclose()
 
 
+async def test_replicas_share_the_attention_work_of_the_prompts_they_queued(
+    redis_url: str,
+) -> None:
+    # A 32K-token prompt with 2K cached and a short one: what a worker's heartbeat calls
+    # queued_prefill_context (new * (cached + new / 2)), which makes a long prompt in the
+    # queue cost more than its linear share. It leaves with the first byte.
+    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    a = LoadTracker(client=ca, replica_id="a", lease_s=5)
+    b = LoadTracker(client=cb, replica_id="b", lease_s=5)
+    long = a.begin("w0", 30_720, prompt_tokens=32_768)
+    short = a.begin("w0", 100, prompt_tokens=100)
+    work = 30_720 * 2_048 + 30_720**2 // 2 + 100**2 // 2
+    await a.sync()
+    await b.sync()
+    assert b.load("w0") == Load(2, 30_820, 0, work)
+    long.first_byte()
+    await a.sync()
+    await b.sync()
+    assert b.load("w0") == Load(2, 100, 0, 100**2 // 2)
+    # A replica of the version before publishes three fields (no context).
+    ks = Keyspace()
+    await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
+    await ca.hset(ks.load("r:old"), mapping={"w0": "1,500,7"})
+    await b.sync()
+    assert b.load("w0") == Load(3, 600, 7, 100**2 // 2)
+    short.end()
+    long.end()
+    assert "w0" not in a.local
+    await ca.delete(ks.load("r:old"))
+    await ca.zrem(ks.load("replicas"), "old")
+    await a.stop()
+    await b.stop()
+    await ca.aclose()
+    await cb.aclose()
+
+
 async def test_discovery_refuses_mismatched_workers_and_benches_failed_ones(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     ks = Keyspace()

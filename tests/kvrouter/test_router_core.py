@@ -28,6 +28,7 @@ from kvrouter.gateway.routing import Router
 from kvrouter.policy_factory import build_policy
 from kvrouter.router_core import RouterCore, annotate_idle, overlay
 from policies.base import Decision, Policy, RouteRequest
+from policies.cost_model import prefill_context
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import BLOCK, match, request, tokens, view
 
@@ -226,6 +227,31 @@ def test_the_overlay_drops_what_ended_since_the_heartbeat_and_keeps_what_it_did_
     )
     assert dated.worker == "cached"
     assert dated.decision.scores["cached"]["queue_s"] == 0.0
+
+
+def test_the_overlay_carries_the_attention_work_of_the_prompts_routed_since_the_heartbeat() -> None:
+    # Both heartbeats are empty. Since then the router queued one 60K-token prompt on
+    # "long" and thirty 2K-token prompts on "short": the same tokens, but the long one
+    # pays attention over its own growing context chunk after chunk.
+    views = [view("long"), view("short")]
+    counts = {
+        "long": Load(1, 61_440, 0, prefill_context(61_440, 61_440)),
+        "short": Load(30, 61_440, 0, 30 * prefill_context(2_048, 2_048)),
+    }
+
+    def load_of(host: str) -> Load:
+        return counts[host]
+
+    for seen_of in (None, lambda v: Load()):
+        laid = {v.host: v for v in overlay(views, load_of, seen_of)}
+        assert laid["long"].queued_prefill_context == 61_440**2 // 2
+        assert laid["short"].queued_prefill_context == 30 * 2_048**2 // 2
+    # kv_ttft then sees the long queue as the slower one (tokens alone tie them).
+    prompt = tokens(1_024, seed=33)
+    out = RouterCore(KvTtftPolicy()).decide(request(prompt), views, load_of, {})
+    scores = out.decision.scores
+    assert scores["long"]["queue_s"] > 1.5 * scores["short"]["queue_s"]
+    assert out.worker == "short"
 
 
 def test_the_simulators_held_counts_follow_each_request_from_first_token_to_end() -> None:

@@ -10,10 +10,12 @@ from policies.cost_model import (
     hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
+    prefill_context,
     prefill_seconds,
     queue_seconds,
     split_prompt,
 )
+from tests.engine_worker.test_scheduler import make, req, run_to_end
 from tests.policies.support import BLOCK, PROFILE, chunked_seconds, match, queue_wait, view
 
 
@@ -126,3 +128,20 @@ def test_a_prefix_loaded_from_dram_needs_hbm_room_like_computed_blocks() -> None
     assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0) == 0.0
     assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0, loaded_blocks=100) == 0.0
     assert memory_wait_seconds(full, PROFILE, 16, BLOCK, 160.0, loaded_blocks=256) > 0.0
+
+
+def test_prefill_context_is_what_a_worker_publishes_for_the_prompts_it_queued() -> None:
+    # The router counts the attention work of the prompts it routed with the formula a
+    # worker's heartbeat uses: a real scheduler, one prompt hitting a cached prefix.
+    s, r, _ = make(hbm=64, budget=64, max_model_len=128)
+    shared = list(range(32))
+    s.add(req("a", [*shared, 1, 2], max_tokens=1))
+    run_to_end(s, r)
+    s.add(req("hit", [*shared, *range(200, 240)], max_tokens=1))
+    s.add(req("cold", list(range(900, 935)), max_tokens=1))
+    published = s.load().queued_prefill_context
+    assert published == prefill_context(72, 40) + prefill_context(35, 35)
+    assert prefill_context(72, 40) == 40 * 32 + 40 * 40 // 2
+    # Out-of-range counts are clamped, never negative work.
+    assert prefill_context(10, 50) == prefill_context(10, 10)
+    assert prefill_context(10, -3) == 0
