@@ -93,6 +93,9 @@ class Request:
     num_preemptions: int = 0
     #: Prompt tokens the pool held when the request was queued (the load estimate's discount).
     expected_cached_tokens: int = 0
+    #: Of those, the blocks admission takes from the free HBM pool (on DRAM/SSD, or in
+    #: HBM with no reference), as matched on arrival.
+    expected_taken_blocks: int = 0
     #: Prompt plus generated tokens (kept current by :meth:`append_output`: read every step).
     num_tokens: int = 0
 

@@ -151,6 +151,9 @@ class SchedulerLoad:
         queued_prefill_context: Attention work of that prefill: over every queued
             request, ``new * (cached + new / 2)``, the context its new tokens attend to
             summed (a long prompt's later chunks attend to everything before them).
+        queued_taken_blocks: HBM blocks the waiting requests' cached prefixes take on
+            admission besides those they compute (on DRAM/SSD, or free in HBM), as
+            matched when each arrived.
         running_kv_tokens: Context tokens of the running requests (what a decode step reads).
         active_blocks: HBM blocks the running requests hold (free cached blocks excluded).
         mean_output_tokens: Moving average of the tokens finished requests generated
@@ -161,6 +164,7 @@ class SchedulerLoad:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     queued_prefill_context: int = 0
+    queued_taken_blocks: int = 0
     running_kv_tokens: int = 0
     active_blocks: int = 0
     mean_output_tokens: float = 0.0
@@ -210,8 +214,12 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check(request)
         if self.config.enable_prefix_caching:
-            hit = len(self.pool.match_prefix(request.ensure_keys(request.num_tokens)))
+            matched = self.pool.match_prefix(request.ensure_keys(request.num_tokens))
+            hit = len(matched)
             request.expected_cached_tokens = min(hit * self.block_size, request.num_tokens - 1)
+            request.expected_taken_blocks = sum(
+                1 for b in matched if b.medium is not Medium.HBM or b.ref_cnt == 0
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -248,12 +256,13 @@ class Scheduler:
 
     def load(self) -> SchedulerLoad:
         """The load summary a heartbeat publishes; O(running + waiting)."""
-        queued = context = 0
+        queued = context = taken = 0
         for r in self.waiting:
             cached = max(r.num_computed_tokens, r.expected_cached_tokens)
             new = r.num_tokens - cached
             queued += new
             context += new * cached + new * new // 2
+            taken += r.expected_taken_blocks
         running_kv = 0
         for r in self.running:
             running_kv += r.num_tokens
@@ -266,6 +275,7 @@ class Scheduler:
             waiting=len(self.waiting),
             queued_prefill_tokens=queued,
             queued_prefill_context=context,
+            queued_taken_blocks=taken,
             running_kv_tokens=running_kv,
             active_blocks=self.pool.capacity().hbm - self.pool.num_free(Medium.HBM),
             mean_output_tokens=self._mean_output,

@@ -47,6 +47,11 @@ class WorkerView(msgspec.Struct, kw_only=True):
         queued_prefill_tokens: Prompt tokens still to prefill across its queue.
         queued_prefill_context: Attention work of that prefill: over the queued
             requests, ``new * (cached + new / 2)`` tokens (0 when not published).
+        queued_taken_blocks: HBM blocks the queued requests need besides those they
+            compute: their cached prefix blocks on DRAM or SSD (brought up) and in HBM
+            with no running request holding them (taken out of the free queue). A
+            queue whose head cannot have them holds up everything behind it
+            (0 when not published).
         running_kv_tokens: Context tokens the running requests hold, what every
             decode step reads (0 when not published).
         kv_active_blocks: HBM blocks held by running requests, cached free blocks
@@ -72,6 +77,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     queued_prefill_context: int = 0
+    queued_taken_blocks: int = 0
     running_kv_tokens: int = 0
     kv_active_blocks: int = 0
     mean_output_tokens: float = 0.0

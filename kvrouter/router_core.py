@@ -82,6 +82,8 @@ def overlay(
                 kv_active_blocks=now.held_blocks + max(v.kv_active_blocks - seen.held_blocks, 0),
                 queued_prefill_context=now.queued_context
                 + max(v.queued_prefill_context - seen.queued_context, 0),
+                queued_taken_blocks=now.queued_taken
+                + max(v.queued_taken_blocks - seen.queued_taken, 0),
             )
         elif not now.empty():
             v = replace(
@@ -90,6 +92,7 @@ def overlay(
                 queued_prefill_tokens=max(v.queued_prefill_tokens, now.queued_tokens),
                 kv_active_blocks=max(v.kv_active_blocks, now.held_blocks),
                 queued_prefill_context=max(v.queued_prefill_context, now.queued_context),
+                queued_taken_blocks=max(v.queued_taken_blocks, now.queued_taken),
             )
         out.append(v)
     return out

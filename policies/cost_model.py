@@ -131,11 +131,14 @@ def hbm_room_blocks(view: WorkerView, block_size: int, mean_output_tokens: float
     """HBM blocks a new request can have on ``view`` without displacing admitted work.
 
     HBM less the blocks running requests hold (``kv_active_blocks``), the queued
-    prefill's blocks and the output still to come of every admitted or queued request
-    (half the mean output each). Requests in flight beyond the view's running and
-    waiting ones (routed since its heartbeat, known from the router's own count) count
-    a whole mean output: the view holds neither what they have generated so far nor
-    what is still to come. Cached free blocks count as room: allocations evict them.
+    prefill's blocks, the cached prefix blocks the queued requests take on admission
+    (``queued_taken_blocks``: brought up from DRAM or SSD, or out of the free queue;
+    first come first served, a new request waits for them) and the output still to
+    come of every admitted or queued request (half the mean output each). Requests in
+    flight beyond the view's running and waiting ones (routed since its heartbeat,
+    known from the router's own count) count a whole mean output: the view holds
+    neither what they have generated so far nor what is still to come. Cached free
+    blocks count as room: allocations evict them.
     Negative when the admitted work alone overflows HBM; None when the view does not
     publish its active blocks.
     """
@@ -143,7 +146,7 @@ def hbm_room_blocks(view: WorkerView, block_size: int, mean_output_tokens: float
     active = view.kv_active_blocks
     if capacity <= 0 or (active <= 0 and view.running > 0):
         return None
-    queued = -(-view.queued_prefill_tokens // block_size)
+    queued = -(-view.queued_prefill_tokens // block_size) + view.queued_taken_blocks
     admitted = view.running + view.waiting
     unseen = max(view.in_flight - admitted, 0)
     growth = (admitted + 2 * unseen) * mean_output_tokens / 2 / block_size

@@ -295,6 +295,9 @@ class KvTtftPolicy:
                 "pulled_blocks": float(pulled),
                 "prefill_s": prefill,
                 "cached_tokens": float(cached),
+                # Cached blocks its admission takes from the free pool (lower tiers, idle
+                # HBM, pulled): the router counts them as queued until its first byte.
+                "taken_blocks": float(taken + pulled),
                 "speculative_tokens": float(spec_tokens),
                 "in_flight": float(in_flight),
                 "ttft_s": ttft,

@@ -251,6 +251,7 @@ class _Worker:
     #: The router's own count of prompt tokens routed here and not yet prefilled.
     tracked_prefill: int = 0
     tracked_context: int = 0
+    tracked_taken: int = 0
     #: The router's own count of the prompt blocks held here (first token to finish).
     tracked_held: HeldBlocks = field(default_factory=HeldBlocks)
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
@@ -331,6 +332,8 @@ class _Cluster:
         self.live: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
         self.pending_context: dict[str, int] = {}
+        #: Per routed request, the cached blocks its admission takes (the policy's figure).
+        self.taken: dict[str, int] = {}
         #: The prompt's block keys of each request routed, until it ends (as the gateway's
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
@@ -379,6 +382,7 @@ class _Cluster:
             # A request waiting for its pulled prefix is queued as far as routing goes.
             queued_prefill_tokens=load.queued_prefill_tokens + w.pulling,
             queued_prefill_context=load.queued_prefill_context,
+            queued_taken_blocks=load.queued_taken_blocks,
             running_kv_tokens=load.running_kv_tokens,
             kv_active_blocks=load.active_blocks,
             mean_output_tokens=load.mean_output_tokens,
@@ -412,7 +416,10 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
-        return Load(w.in_flight, w.tracked_prefill, len(w.tracked_held), w.tracked_context)
+        return Load(
+            w.in_flight, w.tracked_prefill, len(w.tracked_held), w.tracked_context,
+            w.tracked_taken,
+        )  # fmt: skip
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
@@ -469,6 +476,9 @@ class _Cluster:
                 return
             w = self.by_host[plan.prefill]
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
+        # As the gateway: the cached blocks the policy says its admission takes from the
+        # free pool count as queued on the worker until its first token.
+        self.taken[rid] = int(decision.scores.get(w.host, {}).get("taken_blocks", 0))
         # As the gateway: a peer's prefix is pulled only onto the policy's own choice.
         pooled = decision.kv_source if out.worker == decision.worker else None
         source = self.by_host.get(pooled or "")
@@ -496,6 +506,7 @@ class _Cluster:
         w.tracked_prefill += uncached
         context = prefill_context(tokens, uncached)
         w.tracked_context += context
+        w.tracked_taken += self.taken.get(rid, 0)
         self.pending_prefill[rid] = uncached
         self.pending_context[rid] = context
         self.live[rid] = i
@@ -504,6 +515,7 @@ class _Cluster:
         """``rid``'s prompt is computed: it leaves the router's queued count of ``w``."""
         w.tracked_prefill -= self.pending_prefill.pop(rid, 0)
         w.tracked_context -= self.pending_context.pop(rid, 0)
+        w.tracked_taken -= self.taken.pop(rid, 0)
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
@@ -668,7 +680,7 @@ def simulate(
     workers = cluster.workers
     counts = {w.host: cluster.tracked(w.host) for w in workers}
     leaked = {host: load for host, load in counts.items() if not load.empty()}
-    if leaked or cluster.prompt_keys:
+    if leaked or cluster.prompt_keys or cluster.taken:
         raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(

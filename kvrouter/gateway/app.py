@@ -463,6 +463,7 @@ async def _open(
     up = await gw.dispatcher.open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
         keys=routed.request.block_keys, prompt_tokens=routed.prompt_tokens,
+        taken_blocks=_taken_blocks(routed),
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up, prefilled_on, prefill_cached)
@@ -650,6 +651,12 @@ def _prefill_tokens(routed: Routed) -> dict[str, int]:
         out[host] = max(routed.prompt_tokens - cached, 1)
     out[routed.decision.worker] = routed.uncached_tokens()
     return out
+
+
+def _taken_blocks(routed: Routed) -> dict[str, int]:
+    """Per candidate, the cached blocks its admission takes from the free pool (the
+    policy's ``taken_blocks`` where it scores them)."""
+    return {h: int(t.get("taken_blocks", 0)) for h, t in routed.decision.scores.items()}
 
 
 def _observe_usage(gw: Gateway, usage: dict[str, Any] | None) -> None:

@@ -11,12 +11,14 @@ share them through Redis *leases*::
 
     {p}:load:replicas            zset   replica -> lease expiry (ms)
     {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks,
-                                                    queued_context" (PEXPIRE lease)
+                                                    queued_context,queued_taken"
+                                                   (PEXPIRE lease)
 
-``queued_context`` is the attention work of the queued tokens, as a worker's
-heartbeat counts it (``queued_prefill_context``). A reader also accepts the
-two- and three-field forms of older replicas (the missing fields 0) during a
-rolling upgrade.
+``queued_context`` is the attention work of the queued tokens and
+``queued_taken`` the cached blocks their admission takes from the free HBM
+pool, as a worker's heartbeat counts them (``queued_prefill_context``,
+``queued_taken_blocks``). A reader also accepts the two- to four-field forms
+of older replicas (the missing fields 0) during a rolling upgrade.
 
 Every ``sync_interval_s`` a replica writes its absolute counts (never
 increments) and renews its lease, then reads the other live replicas'.
@@ -98,6 +100,9 @@ class Load:
     held_blocks: int = 0
     #: The attention work of ``queued_tokens`` (a view's ``queued_prefill_context``).
     queued_context: int = 0
+    #: The cached prefix blocks those queued requests take from HBM's free pool on
+    #: admission (a view's ``queued_taken_blocks``).
+    queued_taken: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
@@ -105,25 +110,32 @@ class Load:
         self.queued_tokens += other.queued_tokens
         self.held_blocks += other.held_blocks
         self.queued_context += other.queued_context
+        self.queued_taken += other.queued_taken
 
     def empty(self) -> bool:
         """Nothing counted."""
-        return not (self.in_flight or self.queued_tokens or self.held_blocks or self.queued_context)
+        return not any(
+            (self.in_flight, self.queued_tokens, self.held_blocks, self.queued_context,
+             self.queued_taken)
+        )  # fmt: skip
 
     def pack(self) -> str:
         """The load-sharing wire form."""
-        return f"{self.in_flight},{self.queued_tokens},{self.held_blocks},{self.queued_context}"
+        return (
+            f"{self.in_flight},{self.queued_tokens},{self.held_blocks},{self.queued_context},"
+            f"{self.queued_taken}"
+        )
 
     @classmethod
     def unpack(cls, packed: bytes) -> Load:
-        """Parse :meth:`pack`'s form (or an older replica's two- or three-field one).
+        """Parse :meth:`pack`'s form (or an older replica's shorter one, from two fields).
 
         Raises:
-            ValueError: Not two to four integers.
+            ValueError: Not two to five integers.
         """
         fields = [int(x) for x in packed.split(b",")]
-        if not 2 <= len(fields) <= 4:
-            raise ValueError(f"load entry {packed!r}: expected 2 to 4 fields")
+        if not 2 <= len(fields) <= 5:
+            raise ValueError(f"load entry {packed!r}: expected 2 to 5 fields")
         return cls(*fields)
 
 
@@ -138,6 +150,8 @@ class Ticket:
     keys: Sequence[int] = ()
     #: The attention work of that prefill (``policies.cost_model.prefill_context``).
     prefill_context: int = 0
+    #: The cached blocks its admission takes from HBM's free pool (the policy's figure).
+    taken_blocks: int = 0
     prefilled: bool = False
     ended: bool = False
 
@@ -146,8 +160,9 @@ class Ticket:
         if not self.prefilled and not self.ended:
             self.prefilled = True
             self.tracker._add(
-                self.worker, 0, -self.prefill_tokens, -self.prefill_context, hold=self.keys
-            )
+                self.worker, 0, -self.prefill_tokens, -self.prefill_context,
+                -self.taken_blocks, hold=self.keys,
+            )  # fmt: skip
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -157,7 +172,9 @@ class Ticket:
         if self.prefilled:
             self.tracker._add(self.worker, -1, 0, release=self.keys)
         else:
-            self.tracker._add(self.worker, -1, -self.prefill_tokens, -self.prefill_context)
+            self.tracker._add(
+                self.worker, -1, -self.prefill_tokens, -self.prefill_context, -self.taken_blocks
+            )
 
 
 @dataclass(slots=True)
@@ -178,25 +195,29 @@ class LoadTracker:
     _task: asyncio.Task[None] | None = None
 
     def begin(
-        self, worker: str, prefill_tokens: int, keys: Sequence[int] = (), prompt_tokens: int = 0
-    ) -> Ticket:
+        self, worker: str, prefill_tokens: int, keys: Sequence[int] = (), prompt_tokens: int = 0,
+        taken_blocks: int = 0,
+    ) -> Ticket:  # fmt: skip
         """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
         The prompt's block ``keys`` are held from its first byte to its end; with its
-        length ``prompt_tokens`` the attention work of the prefill is counted too.
+        length ``prompt_tokens`` the attention work of the prefill is counted too, and
+        ``taken_blocks`` (cached blocks its admission takes from the free pool) until its
+        first byte.
         """
         context = prefill_context(prompt_tokens, prefill_tokens) if prompt_tokens else 0
-        self._add(worker, 1, prefill_tokens, context)
-        return Ticket(self, worker, prefill_tokens, keys, context)
+        self._add(worker, 1, prefill_tokens, context, taken_blocks)
+        return Ticket(self, worker, prefill_tokens, keys, context, taken_blocks)
 
     def _add(
-        self, worker: str, in_flight: int, tokens: int, context: int = 0,
+        self, worker: str, in_flight: int, tokens: int, context: int = 0, taken: int = 0,
         hold: Sequence[int] = (), release: Sequence[int] = (),
     ) -> None:  # fmt: skip
         load = self.local.setdefault(worker, Load())
         load.in_flight += in_flight
         load.queued_tokens += tokens
         load.queued_context += context
+        load.queued_taken += taken
         if hold or release:
             held = self.held.setdefault(worker, HeldBlocks())
             held.hold(hold)

@@ -283,6 +283,32 @@ def test_queued_prefill_tokens_discount_the_prefix_a_waiting_request_will_hit() 
     assert s.queued_prefill_tokens() == 3 + 35
 
 
+def test_load_reports_the_cached_blocks_waiting_requests_take_from_the_free_pool() -> None:
+    s, r, _ = make(max_num_seqs=1)
+    shared = list(range(32))  # 8 blocks
+    s.add(req("a", [*shared, 1, 2], max_tokens=1))
+    run_to_end(s, r)  # its blocks stay cached, free: no running request holds them
+    s.add(req("busy", list(range(500, 510)), max_tokens=50))
+    s.update(s.schedule(), {"busy": 1})  # "busy" runs; the next ones wait (max_num_seqs=1)
+    s.add(req("hit", [*shared, 7, 7, 7], max_tokens=1))
+    # "hit" computes 3 tokens, but admitting it takes its 8 cached blocks out of the
+    # free queue: HBM room a request queued behind it cannot have.
+    assert s.load().queued_taken_blocks == len(shared) // B
+    s.add(req("cold", list(range(900, 935)), max_tokens=1))
+    assert s.load().queued_taken_blocks == len(shared) // B
+    run_to_end(s, r)
+    assert s.load().queued_taken_blocks == 0
+
+
+def test_a_prefix_a_running_request_holds_is_not_taken_again() -> None:
+    s, _, _ = make(max_num_seqs=1)
+    shared = list(range(32))
+    s.add(req("holder", [*shared, 1, 2], max_tokens=20))
+    s.update(s.schedule(), {"holder": 1})  # running: it references the 8 shared blocks
+    s.add(req("hit", [*shared, 7, 7, 7], max_tokens=1))
+    assert s.load().queued_taken_blocks == 0
+
+
 def test_load_reports_chunked_prefill_work_running_context_and_active_memory() -> None:
     s, r, pool = make(hbm=64, budget=16, max_model_len=128)
     s.add(req("long", list(range(40)), max_tokens=3))

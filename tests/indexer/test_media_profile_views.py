@@ -135,6 +135,7 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
         running=3,
         queued_prefill_tokens=900,
         queued_prefill_context=450_000,
+        queued_taken_blocks=272,
         running_kv_tokens=12_000,
         kv_active_blocks=800,
         mean_output_tokens=212.5,
@@ -149,3 +150,4 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
     assert (back.queued_prefill_context, back.running_kv_tokens, back.kv_active_blocks) == (0, 0, 0)
     assert back.mean_output_tokens == 0.0
     assert back.transfer_bandwidth == 0.0
+    assert back.queued_taken_blocks == 0

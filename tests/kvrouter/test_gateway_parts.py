@@ -107,31 +107,34 @@ async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_pre
     await cb.aclose()
 
 
-async def test_replicas_share_the_attention_work_of_the_prompts_they_queued(
+async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_queued(
     redis_url: str,
 ) -> None:
-    # A 32K-token prompt with 2K cached and a short one: what a worker's heartbeat calls
+    # A 32K-token prompt with 2K cached (its 128 cached blocks on DRAM, taken from the
+    # free pool on admission) and a short one: what a worker's heartbeat calls
     # queued_prefill_context (new * (cached + new / 2)), which makes a long prompt in the
-    # queue cost more than its linear share. It leaves with the first byte.
+    # queue cost more than its linear share, and queued_taken_blocks. Both leave with the
+    # first byte.
     ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
     a = LoadTracker(client=ca, replica_id="a", lease_s=5)
     b = LoadTracker(client=cb, replica_id="b", lease_s=5)
-    long = a.begin("w0", 30_720, prompt_tokens=32_768)
+    long = a.begin("w0", 30_720, prompt_tokens=32_768, taken_blocks=128)
     short = a.begin("w0", 100, prompt_tokens=100)
     work = 30_720 * 2_048 + 30_720**2 // 2 + 100**2 // 2
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(2, 30_820, 0, work)
+    assert b.load("w0") == Load(2, 30_820, 0, work, 128)
     long.first_byte()
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(2, 100, 0, 100**2 // 2)
-    # A replica of the version before publishes three fields (no context).
+    assert b.load("w0") == Load(2, 100, 0, 100**2 // 2, 0)
+    # Replicas of the versions before publish three or four fields.
     ks = Keyspace()
     await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
-    await ca.hset(ks.load("r:old"), mapping={"w0": "1,500,7"})
+    await ca.hset(ks.load("r:old"), mapping={"w0": "1,500,7", "w1": "1,10,0,50"})
     await b.sync()
     assert b.load("w0") == Load(3, 600, 7, 100**2 // 2)
+    assert b.load("w1") == Load(1, 10, 0, 50, 0)
     short.end()
     long.end()
     assert "w0" not in a.local

@@ -236,7 +236,7 @@ def test_the_overlay_carries_the_attention_work_of_the_prompts_routed_since_the_
     views = [view("long"), view("short")]
     counts = {
         "long": Load(1, 61_440, 0, prefill_context(61_440, 61_440)),
-        "short": Load(30, 61_440, 0, 30 * prefill_context(2_048, 2_048)),
+        "short": Load(30, 61_440, 0, 30 * prefill_context(2_048, 2_048), queued_taken=64),
     }
 
     def load_of(host: str) -> Load:
@@ -246,6 +246,7 @@ def test_the_overlay_carries_the_attention_work_of_the_prompts_routed_since_the_
         laid = {v.host: v for v in overlay(views, load_of, seen_of)}
         assert laid["long"].queued_prefill_context == 61_440**2 // 2
         assert laid["short"].queued_prefill_context == 30 * 2_048**2 // 2
+        assert (laid["short"].queued_taken_blocks, laid["long"].queued_taken_blocks) == (64, 0)
     # kv_ttft then sees the long queue as the slower one (tokens alone tie them).
     prompt = tokens(1_024, seed=33)
     out = RouterCore(KvTtftPolicy()).decide(request(prompt), views, load_of, {})

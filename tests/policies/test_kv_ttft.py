@@ -9,7 +9,7 @@ from msgspec.structs import replace
 
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
-from policies.base import NoWorkerError
+from policies.base import Decision, NoWorkerError
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import (
@@ -542,3 +542,41 @@ def test_a_request_with_a_cached_prefix_is_not_moved_to_balance_new_ones() -> No
 
     assert decision.scores["w0"]["total"] > decision.scores["w1"]["total"] - 0.005
     assert decision.worker == "w0"
+
+
+def test_a_queued_request_bringing_up_its_prefix_holds_up_the_requests_behind_it() -> None:
+    # The groups replay at 1 s heartbeats (seed 3, t = 25.48 s): 16 running requests leave
+    # 233 of 2,560 HBM blocks free. One request is queued with 1 token to compute, but its
+    # 4K-token prefix must come up from DRAM and out of the free queue (272 blocks): it
+    # cannot be admitted until running requests finish, and first come first served, the
+    # next request waits behind it. Predicted 22 ms there, it took 245 ms.
+    prompt = tokens(4_352, seed=34)
+    busy = view(
+        "busy", running=16, waiting=1, in_flight=17, queued=1, running_kv=60_000,
+        mean_output=120.0, active=2_327, hbm_capacity=2_560,
+    )  # fmt: skip
+    # "roomy" has half the prefix and room: 2K tokens more to compute.
+    matches = {
+        "busy": PrefixMatch("busy", 256, (256, 0, 0), idle_hbm=0),
+        "roomy": PrefixMatch("roomy", 128, (128, 0, 0), idle_hbm=0),
+    }
+    roomy = view("roomy", hbm_capacity=2_560)
+
+    def choose(taken: int) -> Decision:
+        workers = [replace(busy, queued_taken_blocks=taken), roomy]
+        return KvTtftPolicy().choose(request(prompt), workers, matches)
+
+    unseen = choose(0)
+    assert unseen.worker == "busy"
+    assert unseen.scores["busy"]["memory_wait_s"] == 0.0
+    seen = choose(272)
+    assert seen.scores["busy"]["memory_wait_s"] > 0.0
+    assert seen.worker == "roomy"
+    # What a request takes is in its own scores, for the router to count until its first
+    # byte: nothing where running requests hold its prefix, all of it where none does.
+    assert seen.scores["roomy"]["taken_blocks"] == 0.0
+    idle = {"roomy": PrefixMatch("roomy", 128, (128, 0, 0), idle_hbm=128)}
+    assert (
+        KvTtftPolicy().choose(request(prompt), [roomy], idle).scores["roomy"]["taken_blocks"]
+        == 128.0
+    )
