@@ -28,8 +28,8 @@ flight, the prompt tokens it routed that have not produced a first token
 yet (the uncached part, by the decision's matched blocks), and the distinct
 prompt blocks of those that have and are still running (KV held in HBM);
 each term is the router's count now plus what the heartbeat showed beyond the
-router's count when it was taken (as the gateway notes its counts when a
-heartbeat arrives). The core also
+router's count when it was taken (as the gateway dates a heartbeat by its
+age). The core also
 marks each prefix match's HBM blocks that none of those running requests
 holds (``PrefixMatch.idle_hbm``), from the same held keys.
 

@@ -39,8 +39,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
 
@@ -189,8 +190,14 @@ class LoadTracker:
     local: dict[str, Load] = field(default_factory=dict)
     remote: dict[str, Load] = field(default_factory=dict)
     held: dict[str, HeldBlocks] = field(default_factory=dict)
-    #: Per worker: (``ts`` of its latest heartbeat, the counts when it arrived).
+    #: Per worker: (``ts`` of its latest heartbeat, the counts when it was taken).
     seen: dict[str, tuple[float, Load]] = field(default_factory=dict)
+    #: How far back this replica's counts are kept to date heartbeats (seconds).
+    history_s: float = 2.0
+    #: Per worker, this replica's counts after each change: (monotonic time, counts).
+    history: dict[str, deque[tuple[float, Load]]] = field(default_factory=dict)
+    wall: Callable[[], float] = time.time
+    mono: Callable[[], float] = time.monotonic
     healthy: bool = True
     _task: asyncio.Task[None] | None = None
 
@@ -225,6 +232,12 @@ class LoadTracker:
             load.held_blocks = len(held)
             if not held:
                 del self.held[worker]
+        now = self.mono()
+        past = self.history.setdefault(worker, deque())
+        past.append((now, replace(load)))
+        # Keep the window, and the last change before it (the counts at its start).
+        while len(past) > 1 and past[1][0] <= now - self.history_s:
+            past.popleft()
         if load.empty():
             del self.local[worker]
 
@@ -239,14 +252,36 @@ class LoadTracker:
     def saw(self, worker: str, ts: float | None) -> None:
         """A heartbeat of ``worker`` taken at ``ts`` arrived (None: the worker left).
 
-        The counts of this moment are what the heartbeat already reflects of this
-        router's requests; :meth:`seen_at` hands them to the overlay
-        (:func:`kvrouter.router_core.overlay`).
+        The counts as they were when it was taken (this replica's from its recent
+        history, by the heartbeat's age on the wall clock, at most ``history_s`` back;
+        the other replicas' as of their last sync) are what it already reflects of
+        this router's requests; :meth:`seen_at` hands them to the overlay
+        (:func:`kvrouter.router_core.overlay`). A worker clock ahead of this one
+        dates it now.
         """
         if ts is None:
             self.seen.pop(worker, None)
+            self.history.pop(worker, None)
         elif worker not in self.seen or self.seen[worker][0] != ts:
-            self.seen[worker] = (ts, self.load(worker))
+            age = min(max(self.wall() - ts, 0.0), self.history_s)
+            self.seen[worker] = (ts, self._at(worker, self.mono() - age))
+
+    def _at(self, worker: str, when: float) -> Load:
+        """The total counts on ``worker`` at monotonic time ``when`` (this replica's)."""
+        past = self.history.get(worker)
+        # The last change at or before ``when``. The window keeps the last change before
+        # its start, so when every kept change is later the worker had none before:
+        # nothing was counted then.
+        then: Load | None = self.local.get(worker) if not past else None
+        for t, counts in reversed(past or ()):
+            if t <= when:
+                then = counts
+                break
+        total = Load()
+        for part in (then, self.remote.get(worker)):
+            if part is not None:
+                total.add(part)
+        return total
 
     def seen_at(self, view: WorkerView) -> Load | None:
         """The counts when ``view`` arrived (None: another heartbeat, or none noted)."""

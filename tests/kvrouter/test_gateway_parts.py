@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from msgspec.structs import replace
 from prometheus_client import CollectorRegistry
 
 from engine_worker.protocol import CompletionRequest
@@ -205,8 +206,8 @@ async def test_each_new_heartbeat_is_dated_with_the_routers_counts_of_its_arriva
         await client.hset(ks.hosts, "w", 1)
         await client.set(ks.heartbeat("w"), encode_view(view), px=5000)
 
-    t0 = time.time()
     ticket = load.begin("w", 4096, keys=[1, 2, 3])
+    t0 = time.time()
     await beat(t0)
     await d.refresh()
     first = d.views["w"]
@@ -216,7 +217,7 @@ async def test_each_new_heartbeat_is_dated_with_the_routers_counts_of_its_arriva
     ticket.first_byte()
     await d.refresh()
     assert load.seen_at(d.views["w"]) == Load(1, 4096, 0)
-    await beat(t0 + 1)
+    await beat(t0 + 1)  # a worker clock ahead of ours: dated now
     await d.refresh()
     assert load.seen_at(d.views["w"]) == Load(1, 0, 3)
     assert load.seen_at(first) is None  # an older heartbeat is not dated by a newer one
@@ -228,6 +229,40 @@ async def test_each_new_heartbeat_is_dated_with_the_routers_counts_of_its_arriva
     assert "w" not in d.views
     assert load.seen == {}
     await client.aclose()
+
+
+def test_a_heartbeat_is_dated_by_its_age_not_by_when_discovery_saw_it() -> None:
+    # Discovery polls every 0.5 s, so a heartbeat arrives up to that much after it was
+    # taken. Here it was taken at t = 10.0, while the request was still prefilling; the
+    # request got its first token at 10.2 and discovery read the heartbeat at 10.4.
+    clock = {"wall": 1_000.0, "mono": 0.0}
+
+    def at(t: float) -> None:
+        clock.update(wall=1_000.0 + t, mono=t)
+
+    load = LoadTracker(wall=lambda: clock["wall"], mono=lambda: clock["mono"])
+    at(9.5)
+    ticket = load.begin("w", 4096, keys=[1, 2, 3])
+    at(10.2)
+    ticket.first_byte()
+    at(10.4)
+    load.saw("w", 1_010.0)
+    view = WorkerView(host="w", model="tiny", block_size=16, ts=1_010.0)
+    # What the heartbeat shows of the request is what the router counted at 10.0.
+    assert load.seen_at(view) == Load(1, 4096, 0)
+    # Older than the history kept (2 s): dated 2 s back. A heartbeat taken before
+    # anything was routed to its worker saw nothing counted.
+    at(13.0)
+    load.saw("w", 1_010.5)
+    assert load.seen_at(replace(view, ts=1_010.5)) == Load(1, 0, 3)
+    fresh = LoadTracker(wall=lambda: clock["wall"], mono=lambda: clock["mono"])
+    late = fresh.begin("v", 100)
+    fresh.saw("v", 1_012.0)  # taken before anything was routed to "v"
+    assert fresh.seen_at(replace(view, host="v", ts=1_012.0)) == Load()
+    late.end()
+    ticket.end()
+    load.saw("w", None)
+    assert (load.seen, load.history) == ({}, {})
 
 
 async def test_a_wiped_registry_keeps_known_workers_for_a_grace_period(redis_url: str) -> None:
