@@ -42,7 +42,7 @@ __all__ = [
 
 #: The router's own count of what it sent to a worker and not yet finished (or prefilled).
 LoadOf = Callable[[str], Load]
-#: The router's count for a worker when the router got the heartbeat it is handed
+#: The router's count for a worker when the heartbeat it is handed was taken
 #: (None: not known for that heartbeat).
 SeenOf = Callable[[WorkerView], Load | None]
 #: The block keys the router's running requests hold on a worker (None: none).

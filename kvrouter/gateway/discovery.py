@@ -108,7 +108,7 @@ class WorkerDirectory:
     allowed: AllowedWorkers = field(default_factory=AllowedWorkers)
     clock: Callable[[], float] = time.time
     #: Called with (host, heartbeat ts) when a worker's heartbeat changes, (host, None)
-    #: when it leaves (the router notes its own counts of that moment).
+    #: when it leaves (the router dates the heartbeat with its own counts).
     on_view: Callable[[str, float | None], None] | None = None
     views: dict[str, WorkerView] = field(default_factory=dict)
     benched: dict[str, float] = field(default_factory=dict)
