@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -61,15 +62,38 @@ async def test_replicas_share_load_and_a_dead_replicas_counts_expire(redis_url: 
     await cb.aclose()
 
 
+@pytest.fixture
+async def replicas(redis_url: str) -> AsyncIterator[tuple[LoadTracker, LoadTracker]]:
+    """Two gateway replicas' trackers sharing one Redis; an ``old`` replica's entries
+    that a test publishes (:func:`publish_old`) go with them."""
+    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    a = LoadTracker(client=ca, replica_id="a", lease_s=5)
+    b = LoadTracker(client=cb, replica_id="b", lease_s=5)
+    yield a, b
+    ks = Keyspace()
+    await ca.delete(ks.load("r:old"))
+    await ca.zrem(ks.load("replicas"), "old")
+    await a.stop()
+    await b.stop()
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def publish_old(tracker: LoadTracker, entries: dict[str, str]) -> None:
+    """Lease entries of a replica ``old`` running an earlier version."""
+    assert tracker.client is not None
+    ks = Keyspace()
+    await tracker.client.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
+    await tracker.client.hset(ks.load("r:old"), mapping=entries)  # type: ignore[arg-type]
+
+
 async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_prefilled(
-    redis_url: str, caplog: pytest.LogCaptureFixture
+    replicas: tuple[LoadTracker, LoadTracker], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Two prompts sharing a 2-block prefix: each queued until its first byte, then its
     # blocks held in the worker's HBM until it ends, the shared ones counted once (the
     # worker stores them once). This is what a heartbeat taken before them misses.
-    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
-    a = LoadTracker(client=ca, replica_id="a", lease_s=5)
-    b = LoadTracker(client=cb, replica_id="b", lease_s=5)
+    a, b = replicas
     t1 = a.begin("w0", 1000, (11, 12, 13, 14))
     t2 = a.begin("w0", 30, (11, 12, 15))
     await a.sync()
@@ -82,9 +106,7 @@ async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_pre
     await b.sync()
     assert b.load("w0") == Load(2, 0, 5)
     # An older replica publishes two fields (held 0); a garbled entry is skipped.
-    ks = Keyspace()
-    await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
-    await ca.hset(ks.load("r:old"), mapping={"w0": "2,500", "w1": "x,y"})
+    await publish_old(a, {"w0": "2,500", "w1": "x,y"})
     with caplog.at_level(logging.WARNING, logger="kvrouter.gateway.load"):
         await b.sync()
     assert b.load("w0") == Load(4, 500, 5)
@@ -100,25 +122,17 @@ async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_pre
     early = a.begin("w0", 700, (21, 22))
     early.end()
     assert "w0" not in a.local
-    await ca.delete(ks.load("r:old"))
-    await ca.zrem(ks.load("replicas"), "old")
-    await a.stop()
-    await b.stop()
-    await ca.aclose()
-    await cb.aclose()
 
 
 async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_queued(
-    redis_url: str,
+    replicas: tuple[LoadTracker, LoadTracker],
 ) -> None:
     # A 32K-token prompt with 2K cached (its 128 cached blocks on DRAM, taken from the
     # free pool on admission) and a short one: what a worker's heartbeat calls
     # queued_prefill_context (new * (cached + new / 2)), which makes a long prompt in the
     # queue cost more than its linear share, and queued_taken_blocks. Both leave with the
     # first byte.
-    ca, cb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
-    a = LoadTracker(client=ca, replica_id="a", lease_s=5)
-    b = LoadTracker(client=cb, replica_id="b", lease_s=5)
+    a, b = replicas
     long = a.begin("w0", 30_720, prompt_tokens=32_768, taken_blocks=128)
     short = a.begin("w0", 100, prompt_tokens=100)
     work = 30_720 * 2_048 + 30_720**2 // 2 + 100**2 // 2
@@ -130,21 +144,13 @@ async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_q
     await b.sync()
     assert b.load("w0") == Load(2, 100, 0, 100**2 // 2, 0)
     # Replicas of the versions before publish three or four fields.
-    ks = Keyspace()
-    await ca.zadd(ks.load("replicas"), {"old": int(time.time() * 1000) + 5000})
-    await ca.hset(ks.load("r:old"), mapping={"w0": "1,500,7", "w1": "1,10,0,50"})
+    await publish_old(a, {"w0": "1,500,7", "w1": "1,10,0,50"})
     await b.sync()
     assert b.load("w0") == Load(3, 600, 7, 100**2 // 2)
     assert b.load("w1") == Load(1, 10, 0, 50, 0)
     short.end()
     long.end()
     assert "w0" not in a.local
-    await ca.delete(ks.load("r:old"))
-    await ca.zrem(ks.load("replicas"), "old")
-    await a.stop()
-    await b.stop()
-    await ca.aclose()
-    await cb.aclose()
 
 
 async def test_discovery_refuses_mismatched_workers_and_benches_failed_ones(redis_url: str) -> None:
