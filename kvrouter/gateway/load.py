@@ -27,10 +27,13 @@ held leaks; a request that ends in any way (success, error, client gone)
 releases its counts through :class:`Ticket`, exactly once.
 
 The counts also date each heartbeat: when discovery gets a worker's new
-heartbeat, :meth:`LoadTracker.saw` notes the counts of that moment, so the
-overlay can tell what the heartbeat shows beyond this router's own requests
-(another router's, a decode's growing KV) from what this router has already
-seen end since (``kvrouter.router_core.overlay``).
+heartbeat, :meth:`LoadTracker.saw` looks up the counts as they were when it
+was taken (a short history of this replica's counts, by the heartbeat's age),
+so the overlay can tell what the heartbeat shows beyond this router's own
+requests (another router's, a decode's growing KV) from what this router has
+already seen end since (``kvrouter.router_core.overlay``). The history holds
+each change of the last ``history_s`` seconds per worker: a few entries per
+request routed there in that time.
 """
 
 from __future__ import annotations
@@ -267,7 +270,8 @@ class LoadTracker:
             self.seen[worker] = (ts, self._at(worker, self.mono() - age))
 
     def _at(self, worker: str, when: float) -> Load:
-        """The total counts on ``worker`` at monotonic time ``when`` (this replica's)."""
+        """The counts on ``worker`` at monotonic time ``when``: this replica's then, the
+        other replicas' as of their last sync."""
         past = self.history.get(worker)
         # The last change at or before ``when``. The window keeps the last change before
         # its start, so when every kept change is later the worker had none before:
@@ -284,7 +288,7 @@ class LoadTracker:
         return total
 
     def seen_at(self, view: WorkerView) -> Load | None:
-        """The counts when ``view`` arrived (None: another heartbeat, or none noted)."""
+        """The counts when ``view`` was taken (None: another heartbeat, or none noted)."""
         seen = self.seen.get(view.host)
         return seen[1] if seen is not None and seen[0] == view.ts else None
 
