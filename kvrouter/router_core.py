@@ -49,6 +49,16 @@ SeenOf = Callable[[WorkerView], Load | None]
 HeldOf = Callable[[str], HeldBlocks | None]
 
 
+#: The view's figures the router's own counts are laid over: (view field, ``Load`` field).
+_LAID = (
+    ("in_flight", "in_flight"),
+    ("queued_prefill_tokens", "queued_tokens"),
+    ("kv_active_blocks", "held_blocks"),
+    ("queued_prefill_context", "queued_context"),
+    ("queued_taken_blocks", "queued_taken"),
+)
+
+
 def overlay(
     views: Sequence[WorkerView], load_of: LoadOf | None, seen_of: SeenOf | None = None
 ) -> list[WorkerView]:
@@ -72,29 +82,18 @@ def overlay(
     out = []
     for v in views:
         now = load_of(v.host)
-        seen = seen_of(v) if seen_of is not None else None
-        if seen is not None:
-            v = replace(
-                v,
-                in_flight=now.in_flight + max(v.in_flight - seen.in_flight, 0),
-                queued_prefill_tokens=now.queued_tokens
-                + max(v.queued_prefill_tokens - seen.queued_tokens, 0),
-                kv_active_blocks=now.held_blocks + max(v.kv_active_blocks - seen.held_blocks, 0),
-                queued_prefill_context=now.queued_context
-                + max(v.queued_prefill_context - seen.queued_context, 0),
-                queued_taken_blocks=now.queued_taken
-                + max(v.queued_taken_blocks - seen.queued_taken, 0),
-            )
-        elif not now.empty():
-            v = replace(
-                v,
-                in_flight=max(v.in_flight, now.in_flight),
-                queued_prefill_tokens=max(v.queued_prefill_tokens, now.queued_tokens),
-                kv_active_blocks=max(v.kv_active_blocks, now.held_blocks),
-                queued_prefill_context=max(v.queued_prefill_context, now.queued_context),
-                queued_taken_blocks=max(v.queued_taken_blocks, now.queued_taken),
-            )
-        out.append(v)
+        then = seen_of(v) if seen_of is not None else None
+        if then is None and now.empty():
+            out.append(v)
+            continue
+        laid = {}
+        for shown_as, counted_as in _LAID:
+            shown, counted = getattr(v, shown_as), getattr(now, counted_as)
+            if then is None:
+                laid[shown_as] = max(shown, counted)
+            else:
+                laid[shown_as] = counted + max(shown - getattr(then, counted_as), 0)
+        out.append(replace(v, **laid))
     return out
 
 
