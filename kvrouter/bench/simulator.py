@@ -248,10 +248,9 @@ class _Worker:
     step: tuple[SchedulerPlan, StepResult] | None = None
     beat: WorkerView | None = None
     beat_seen: Load | None = None
-    #: The router's own count of prompt tokens routed here and not yet prefilled.
-    tracked_prefill: int = 0
-    tracked_context: int = 0
-    tracked_taken: int = 0
+    #: The router's own count of what it routed here that has not prefilled yet: prompt
+    #: tokens, their attention work, the cached blocks their admission takes.
+    queued: Load = field(default_factory=Load)
     #: The router's own count of the prompt blocks held here (first token to finish).
     tracked_held: HeldBlocks = field(default_factory=HeldBlocks)
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
@@ -330,10 +329,8 @@ class _Cluster:
         self.tiebreak = itertools.count()
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
-        self.pending_prefill: dict[str, int] = {}
-        self.pending_context: dict[str, int] = {}
-        #: Per routed request, the cached blocks its admission takes (the policy's figure).
-        self.taken: dict[str, int] = {}
+        #: Per routed request until its first token: its share of its worker's ``queued``.
+        self.unprefilled: dict[str, Load] = {}
         #: The prompt's block keys of each request routed, until it ends (as the gateway's
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
@@ -416,10 +413,10 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
+        q = w.queued
         return Load(
-            w.in_flight, w.tracked_prefill, len(w.tracked_held), w.tracked_context,
-            w.tracked_taken,
-        )  # fmt: skip
+            w.in_flight, q.queued_tokens, len(w.tracked_held), q.queued_context, q.queued_taken
+        )
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
@@ -478,7 +475,7 @@ class _Cluster:
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
         # As the gateway: the cached blocks the policy says its admission takes from the
         # free pool count as queued on the worker until its first token.
-        self.taken[rid] = int(decision.scores.get(w.host, {}).get("taken_blocks", 0))
+        taken = int(decision.scores.get(w.host, {}).get("taken_blocks", 0))
         # As the gateway: a peer's prefix is pulled only onto the policy's own choice.
         pooled = decision.kv_source if out.worker == decision.worker else None
         source = self.by_host.get(pooled or "")
@@ -489,37 +486,40 @@ class _Cluster:
             if held > have:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.
-                self.count(w, rid, len(tokens), held, i, keys)
-                w.pulling += self.pending_prefill[rid]
+                self.count(w, rid, len(tokens), held, i, keys, taken)
+                w.pulling += self.unprefilled[rid].queued_tokens
                 pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
                 self.send(source, pull, now)
                 return
-        self.admit(w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now)
+        self.admit(
+            w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now, taken=taken
+        )
 
     def count(
-        self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int]
-    ) -> None:
+        self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int],
+        taken: int = 0,
+    ) -> None:  # fmt: skip
         """Add a request to the router's own load count of ``w`` (released as it runs)."""
         self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
-        w.tracked_prefill += uncached
-        context = prefill_context(tokens, uncached)
-        w.tracked_context += context
-        w.tracked_taken += self.taken.get(rid, 0)
-        self.pending_prefill[rid] = uncached
-        self.pending_context[rid] = context
+        queued = Load(
+            queued_tokens=uncached, queued_context=prefill_context(tokens, uncached),
+            queued_taken=taken,
+        )  # fmt: skip
+        w.queued.add(queued)
+        self.unprefilled[rid] = queued
         self.live[rid] = i
 
     def prefilled(self, w: _Worker, rid: str) -> None:
         """``rid``'s prompt is computed: it leaves the router's queued count of ``w``."""
-        w.tracked_prefill -= self.pending_prefill.pop(rid, 0)
-        w.tracked_context -= self.pending_context.pop(rid, 0)
-        w.tracked_taken -= self.taken.pop(rid, 0)
+        queued = self.unprefilled.pop(rid, None)
+        if queued is not None:
+            w.queued.sub(queued)
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
-        matched_blocks: int, i: int, now: float, counted: bool = False,
+        matched_blocks: int, i: int, now: float, counted: bool = False, taken: int = 0,
     ) -> None:  # fmt: skip
         """Queue a request on ``w`` (counting its load unless ``counted``); an idle worker
         starts a step."""
@@ -529,7 +529,7 @@ class _Cluster:
         request.keys = keys
         w.scheduler.add(request)
         if not counted:
-            self.count(w, rid, len(tokens), matched_blocks, i, keys)
+            self.count(w, rid, len(tokens), matched_blocks, i, keys, taken)
         if w.step is None:
             self.start_step(w, now)
 
@@ -559,7 +559,7 @@ class _Cluster:
         if t.cached is not None:
             self.cached_override[t.index] = t.cached
         if t.counted:
-            w.pulling -= self.pending_prefill[f"r{t.index}"]
+            w.pulling -= self.unprefilled[f"r{t.index}"].queued_tokens
         output = self.trace[t.index].output_length
         self.admit(
             w, f"r{t.index}", t.tokens, t.keys, output, t.held, t.index, now, counted=t.counted
@@ -680,7 +680,7 @@ def simulate(
     workers = cluster.workers
     counts = {w.host: cluster.tracked(w.host) for w in workers}
     leaked = {host: load for host, load in counts.items() if not load.empty()}
-    if leaked or cluster.prompt_keys or cluster.taken:
+    if leaked or cluster.prompt_keys or cluster.unprefilled:
         raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(

@@ -116,6 +116,14 @@ class Load:
         self.queued_context += other.queued_context
         self.queued_taken += other.queued_taken
 
+    def sub(self, other: Load) -> None:
+        """Take ``other`` (accumulated before) out of this load."""
+        self.in_flight -= other.in_flight
+        self.queued_tokens -= other.queued_tokens
+        self.held_blocks -= other.held_blocks
+        self.queued_context -= other.queued_context
+        self.queued_taken -= other.queued_taken
+
     def empty(self) -> bool:
         """Nothing counted."""
         return not any(
