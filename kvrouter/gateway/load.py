@@ -157,13 +157,12 @@ class Ticket:
 
     tracker: LoadTracker
     worker: str
-    prefill_tokens: int
+    #: Its share until its first byte: prompt tokens to prefill, their attention work
+    #: (``policies.cost_model.prefill_context``), the cached blocks its admission takes
+    #: from HBM's free pool (the policy's figure).
+    queued: Load
     #: The prompt's block keys (cached ones included): what the worker holds once prefilled.
     keys: Sequence[int] = ()
-    #: The attention work of that prefill (``policies.cost_model.prefill_context``).
-    prefill_context: int = 0
-    #: The cached blocks its admission takes from HBM's free pool (the policy's figure).
-    taken_blocks: int = 0
     prefilled: bool = False
     ended: bool = False
 
@@ -171,10 +170,7 @@ class Ticket:
         """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            self.tracker._add(
-                self.worker, 0, -self.prefill_tokens, -self.prefill_context,
-                -self.taken_blocks, hold=self.keys,
-            )  # fmt: skip
+            self.tracker._add(self.worker, 0, unqueue=self.queued, hold=self.keys)
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -182,11 +178,9 @@ class Ticket:
             return
         self.ended = True
         if self.prefilled:
-            self.tracker._add(self.worker, -1, 0, release=self.keys)
+            self.tracker._add(self.worker, -1, release=self.keys)
         else:
-            self.tracker._add(
-                self.worker, -1, -self.prefill_tokens, -self.prefill_context, -self.taken_blocks
-            )
+            self.tracker._add(self.worker, -1, unqueue=self.queued)
 
 
 @dataclass(slots=True)
@@ -224,18 +218,21 @@ class LoadTracker:
         first byte.
         """
         context = prefill_context(prompt_tokens, prefill_tokens) if prompt_tokens else 0
-        self._add(worker, 1, prefill_tokens, context, taken_blocks)
-        return Ticket(self, worker, prefill_tokens, keys, context, taken_blocks)
+        queued = Load(queued_tokens=prefill_tokens, queued_context=context,
+                      queued_taken=taken_blocks)  # fmt: skip
+        self._add(worker, 1, queue=queued)
+        return Ticket(self, worker, queued, keys)
 
     def _add(
-        self, worker: str, in_flight: int, tokens: int, context: int = 0, taken: int = 0,
-        hold: Sequence[int] = (), release: Sequence[int] = (),
+        self, worker: str, in_flight: int, queue: Load | None = None,
+        unqueue: Load | None = None, hold: Sequence[int] = (), release: Sequence[int] = (),
     ) -> None:  # fmt: skip
         load = self.local.setdefault(worker, Load())
         load.in_flight += in_flight
-        load.queued_tokens += tokens
-        load.queued_context += context
-        load.queued_taken += taken
+        if queue is not None:
+            load.add(queue)
+        if unqueue is not None:
+            load.sub(unqueue)
         if hold or release:
             held = self.held.setdefault(worker, HeldBlocks())
             held.hold(hold)
