@@ -96,6 +96,9 @@ class Request:
     #: Of those, the blocks admission takes from the free HBM pool (on DRAM/SSD, or in
     #: HBM with no reference), as matched on arrival.
     expected_taken_blocks: int = 0
+    #: Of those, the blocks on DRAM and SSD (brought up into HBM on admission, which the
+    #: admitting step pays for), as matched on arrival.
+    expected_load_blocks: dict[Medium, int] = field(default_factory=dict)
     #: Prompt plus generated tokens (kept current by :meth:`append_output`: read every step).
     num_tokens: int = 0
 

@@ -154,6 +154,10 @@ class SchedulerLoad:
         queued_taken_blocks: HBM blocks the waiting requests' cached prefixes take on
             admission besides those they compute (on DRAM/SSD, or free in HBM), as
             matched when each arrived.
+        queued_load_blocks: Cached blocks per medium (DRAM, SSD) that the waiting requests
+            bring up into HBM on admission, as matched when each arrived, plus those the
+            step in flight is bringing up: the step that admits a request pays its load,
+            so everything queued behind it waits for it too.
         running_kv_tokens: Context tokens of the running requests (what a decode step reads).
         active_blocks: HBM blocks the running requests hold (free cached blocks excluded).
         mean_output_tokens: Moving average of the tokens finished requests generated
@@ -165,6 +169,7 @@ class SchedulerLoad:
     queued_prefill_tokens: int = 0
     queued_prefill_context: int = 0
     queued_taken_blocks: int = 0
+    queued_load_blocks: dict[Medium, int] = field(default_factory=dict)
     running_kv_tokens: int = 0
     active_blocks: int = 0
     mean_output_tokens: float = 0.0
@@ -191,6 +196,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._mean_output = 0.0
+        #: Blocks the step planned and not yet folded in brings up from each lower medium.
+        self._loading: dict[Medium, int] = {}
 
     # -- queue management -------------------------------------------------------------------
 
@@ -220,6 +227,11 @@ class Scheduler:
             request.expected_taken_blocks = sum(
                 1 for b in matched if b.medium is not Medium.HBM or b.ref_cnt == 0
             )
+            lower: dict[Medium, int] = {}
+            for b in matched:
+                if b.medium is not Medium.HBM:
+                    lower[b.medium] = lower.get(b.medium, 0) + 1
+            request.expected_load_blocks = lower
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -257,12 +269,15 @@ class Scheduler:
     def load(self) -> SchedulerLoad:
         """The load summary a heartbeat publishes; O(running + waiting)."""
         queued = context = taken = 0
+        loads = dict(self._loading)
         for r in self.waiting:
             cached = max(r.num_computed_tokens, r.expected_cached_tokens)
             new = r.num_tokens - cached
             queued += new
             context += new * cached + new * new // 2
             taken += r.expected_taken_blocks
+            for medium, n in r.expected_load_blocks.items():
+                loads[medium] = loads.get(medium, 0) + n
         running_kv = 0
         for r in self.running:
             running_kv += r.num_tokens
@@ -276,6 +291,7 @@ class Scheduler:
             queued_prefill_tokens=queued,
             queued_prefill_context=context,
             queued_taken_blocks=taken,
+            queued_load_blocks=loads,
             running_kv_tokens=running_kv,
             active_blocks=self.pool.capacity().hbm - self.pool.num_free(Medium.HBM),
             mean_output_tokens=self._mean_output,
@@ -325,6 +341,7 @@ class Scheduler:
             i += 1
         if not plan.preempted:
             self._admit(plan, budget)
+        self._loading = plan.loaded_blocks
         return plan
 
     def _admit(self, plan: SchedulerPlan, budget: int) -> None:
@@ -382,6 +399,7 @@ class Scheduler:
             sampled: The sampled token of every scheduled request with ``want_logits``.
         """
         outputs: list[StepOutput] = []
+        self._loading = {}
         caching = self.config.enable_prefix_caching
         block_size = self.block_size
         running = RequestStatus.RUNNING

@@ -52,6 +52,10 @@ class WorkerView(msgspec.Struct, kw_only=True):
             with no running request holding them (taken out of the free queue). A
             queue whose head cannot have them holds up everything behind it
             (0 when not published).
+        queued_load_blocks: Of those, the blocks on each lower medium (DRAM, SSD), plus
+            those the step in flight is bringing up: the step that admits a request
+            pays for its load, so the queue drains that much later (empty when not
+            published).
         running_kv_tokens: Context tokens the running requests hold, what every
             decode step reads (0 when not published).
         kv_active_blocks: HBM blocks held by running requests, cached free blocks
@@ -78,6 +82,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     queued_prefill_tokens: int = 0
     queued_prefill_context: int = 0
     queued_taken_blocks: int = 0
+    queued_load_blocks: dict[Medium, int] = msgspec.field(default_factory=dict)
     running_kv_tokens: int = 0
     kv_active_blocks: int = 0
     mean_output_tokens: float = 0.0

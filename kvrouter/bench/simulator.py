@@ -380,6 +380,7 @@ class _Cluster:
             queued_prefill_tokens=load.queued_prefill_tokens + w.pulling,
             queued_prefill_context=load.queued_prefill_context,
             queued_taken_blocks=load.queued_taken_blocks,
+            queued_load_blocks=load.queued_load_blocks,
             running_kv_tokens=load.running_kv_tokens,
             kv_active_blocks=load.active_blocks,
             mean_output_tokens=load.mean_output_tokens,

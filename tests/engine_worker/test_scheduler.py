@@ -300,6 +300,33 @@ def test_load_reports_the_cached_blocks_waiting_requests_take_from_the_free_pool
     assert s.load().queued_taken_blocks == 0
 
 
+def test_load_reports_the_lower_tier_blocks_queued_and_admitted_requests_bring_up() -> None:
+    s, r, pool = make(hbm=16, dram=32, max_model_len=32, max_num_seqs=1)
+    s.add(req("a", list(range(24)), max_tokens=1))
+    run_to_end(s, r)
+    for i in range(3):  # other traffic pushes a's 6 cached blocks out of HBM into DRAM
+        s.add(req(f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 28)), max_tokens=1))
+        run_to_end(s, r)
+    s.add(req("busy", list(range(500, 510)), max_tokens=3))
+    s.update(s.schedule(), {"busy": 1})  # "busy" runs; the next one waits (max_num_seqs=1)
+    s.add(req("b", [*range(24), 7, 7], max_tokens=1))
+    # Admitting "b" brings its 6 blocks up from DRAM before computing 2 tokens: whatever
+    # queues behind it waits for that load, queued or in the step that admits it.
+    assert s.load().queued_load_blocks == {Medium.DRAM: 6}
+    while True:
+        plan = s.schedule()
+        if any(x.request.request_id == "b" for x in plan.seqs):
+            break
+        s.update(plan, r.execute(plan).sampled)
+    assert plan.loaded_blocks == {Medium.DRAM: 6}
+    assert s.load().queued_load_blocks == {Medium.DRAM: 6}
+    s.update(plan, r.execute(plan).sampled)
+    assert s.load().queued_load_blocks == {}
+    assert {b.medium for b in pool.match_prefix(block_keys(list(range(24)), B, ROOT))} == {
+        Medium.HBM
+    }
+
+
 def test_a_prefix_a_running_request_holds_is_not_taken_again() -> None:
     s, _, _ = make(max_num_seqs=1)
     shared = list(range(32))
