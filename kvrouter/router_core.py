@@ -57,6 +57,8 @@ _LAID = (
     ("queued_prefill_context", "queued_context"),
     ("queued_taken_blocks", "queued_taken"),
 )
+#: The per-medium figures laid over a view's ``queued_load_blocks``: (medium, ``Load`` field).
+_LAID_LOADS = ((Medium.DRAM, "queued_dram"), (Medium.SSD, "queued_ssd"))
 
 
 def overlay(
@@ -86,15 +88,27 @@ def overlay(
         if then is None and now.empty():
             out.append(v)
             continue
-        laid = {}
-        for shown_as, counted_as in _LAID:
-            shown, counted = getattr(v, shown_as), getattr(now, counted_as)
-            if then is None:
-                laid[shown_as] = max(shown, counted)
-            else:
-                laid[shown_as] = counted + max(shown - getattr(then, counted_as), 0)
+        laid: dict[str, object] = {
+            shown_as: _lay(getattr(v, shown_as), now, then, counted_as)
+            for shown_as, counted_as in _LAID
+        }
+        loads = {
+            medium: n
+            for medium, counted_as in _LAID_LOADS
+            if (n := _lay(v.queued_load_blocks.get(medium, 0), now, then, counted_as))
+        }
+        if loads or v.queued_load_blocks:
+            laid["queued_load_blocks"] = loads
         out.append(replace(v, **laid))
     return out
+
+
+def _lay(shown: int, now: Load, then: Load | None, counted_as: str) -> int:
+    """One figure of a view with the router's count laid over it (see :func:`overlay`)."""
+    counted: int = getattr(now, counted_as)
+    if then is None:
+        return max(shown, counted)
+    return counted + max(shown - int(getattr(then, counted_as)), 0)
 
 
 def annotate_idle(

@@ -48,7 +48,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -70,7 +70,7 @@ from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import HeldBlocks, Load
+from kvrouter.gateway.load import HeldBlocks, Load, admission_load
 from kvrouter.gateway.pd import PdMode, PdPlanner
 from kvrouter.router_core import CoreDecision, RouterCore, route_request
 from policies.base import NoWorkerError, Policy
@@ -416,8 +416,9 @@ class _Cluster:
         w = self.by_host[host]
         q = w.queued
         return Load(
-            w.in_flight, q.queued_tokens, len(w.tracked_held), q.queued_context, q.queued_taken
-        )
+            w.in_flight, q.queued_tokens, len(w.tracked_held), q.queued_context, q.queued_taken,
+            q.queued_dram, q.queued_ssd,
+        )  # fmt: skip
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
@@ -475,8 +476,9 @@ class _Cluster:
             w = self.by_host[plan.prefill]
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
         # As the gateway: the cached blocks the policy says its admission takes from the
-        # free pool count as queued on the worker until its first token.
-        taken = int(decision.scores.get(w.host, {}).get("taken_blocks", 0))
+        # free pool (and loads from DRAM and SSD) count as queued on the worker until its
+        # first token.
+        admission = admission_load(decision.scores.get(w.host, {}))
         # As the gateway: a peer's prefix is pulled only onto the policy's own choice.
         pooled = decision.kv_source if out.worker == decision.worker else None
         source = self.by_host.get(pooled or "")
@@ -487,27 +489,27 @@ class _Cluster:
             if held > have:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.
-                self.count(w, rid, len(tokens), held, i, keys, taken)
+                self.count(w, rid, len(tokens), held, i, keys, admission)
                 w.pulling += self.unprefilled[rid].queued_tokens
                 pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
                 self.send(source, pull, now)
                 return
         self.admit(
-            w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now, taken=taken
-        )
+            w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now,
+            admission=admission,
+        )  # fmt: skip
 
     def count(
         self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int],
-        taken: int = 0,
+        admission: Load | None = None,
     ) -> None:  # fmt: skip
         """Add a request to the router's own load count of ``w`` (released as it runs)."""
         self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
-        queued = Load(
-            queued_tokens=uncached, queued_context=prefill_context(tokens, uncached),
-            queued_taken=taken,
-        )  # fmt: skip
+        queued = replace(admission) if admission is not None else Load()
+        queued.queued_tokens += uncached
+        queued.queued_context += prefill_context(tokens, uncached)
         w.queued.add(queued)
         self.unprefilled[rid] = queued
         self.live[rid] = i
@@ -520,7 +522,8 @@ class _Cluster:
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
-        matched_blocks: int, i: int, now: float, counted: bool = False, taken: int = 0,
+        matched_blocks: int, i: int, now: float, counted: bool = False,
+        admission: Load | None = None,
     ) -> None:  # fmt: skip
         """Queue a request on ``w`` (counting its load unless ``counted``); an idle worker
         starts a step."""
@@ -530,7 +533,7 @@ class _Cluster:
         request.keys = keys
         w.scheduler.add(request)
         if not counted:
-            self.count(w, rid, len(tokens), matched_blocks, i, keys, taken)
+            self.count(w, rid, len(tokens), matched_blocks, i, keys, admission)
         if w.step is None:
             self.start_step(w, now)
 

@@ -45,7 +45,7 @@ from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import AllowedWorkers, WorkerDirectory
 from kvrouter.gateway.dispatch import Dispatcher, Upstream, stream_error_event
 from kvrouter.gateway.limits import RateLimiter, client_id, over_slo
-from kvrouter.gateway.load import LoadTracker
+from kvrouter.gateway.load import Load, LoadTracker, admission_load
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.pd import PdPlan, PdPlanner
 from kvrouter.gateway.routing import ModelTokens, Routed, Router
@@ -463,7 +463,7 @@ async def _open(
     up = await gw.dispatcher.open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
         keys=routed.request.block_keys, prompt_tokens=routed.prompt_tokens,
-        taken_blocks=_taken_blocks(routed),
+        admission=_admission(routed),
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up, prefilled_on, prefill_cached)
@@ -653,10 +653,10 @@ def _prefill_tokens(routed: Routed) -> dict[str, int]:
     return out
 
 
-def _taken_blocks(routed: Routed) -> dict[str, int]:
-    """Per candidate, the cached blocks its admission takes from the free pool (the
-    policy's ``taken_blocks`` where it scores them)."""
-    return {h: int(t.get("taken_blocks", 0)) for h, t in routed.decision.scores.items()}
+def _admission(routed: Routed) -> dict[str, Load]:
+    """Per candidate, the cached blocks its admission takes from the free pool and loads
+    from DRAM and SSD (the policy's scores, where it scores them)."""
+    return {h: admission_load(t) for h, t in routed.decision.scores.items()}
 
 
 def _observe_usage(gw: Gateway, usage: dict[str, Any] | None) -> None:

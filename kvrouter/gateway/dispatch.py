@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from engine_worker.protocol import ApiError, error_body
 from kvrouter.gateway.discovery import WorkerDirectory
-from kvrouter.gateway.load import LoadTracker, Ticket
+from kvrouter.gateway.load import Load, LoadTracker, Ticket
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.upstream import HttpPool, Timeouts, UpstreamError, UpstreamResponse
 
@@ -95,14 +95,14 @@ class Dispatcher:
         whole: bool,
         keys: Sequence[int] = (),
         prompt_tokens: int = 0,
-        taken_blocks: Mapping[str, int] | None = None,
+        admission: Mapping[str, Load] | None = None,
     ) -> Upstream:
         """Send ``body`` to the first candidate that answers; ``whole`` reads the full body.
 
         ``prefill_tokens`` is what each candidate would still prefill, of a prompt of
-        ``prompt_tokens``, and ``taken_blocks`` the cached blocks it would take from its
-        free HBM pool; ``keys`` the prompt's block keys, which the worker holds in HBM
-        from the first byte to the end.
+        ``prompt_tokens``, and ``admission`` the cached blocks it would take from its
+        free HBM pool and load from DRAM and SSD; ``keys`` the prompt's block keys,
+        which the worker holds in HBM from the first byte to the end.
 
         Raises:
             ApiError: 503 when every attempt failed before the first byte.
@@ -115,10 +115,10 @@ class Dispatcher:
             view = self.directory.views.get(worker)
             if view is None or worker in self.directory.benched:
                 continue
-            taken = taken_blocks.get(worker, 0) if taken_blocks else 0
             ticket = self.load.begin(
-                worker, prefill_tokens.get(worker, 0), keys, prompt_tokens, taken
-            )
+                worker, prefill_tokens.get(worker, 0), keys, prompt_tokens,
+                admission.get(worker) if admission else None,
+            )  # fmt: skip
             try:
                 up = await self._attempt(worker, view.url + path, body, headers, ticket, whole)
             except _RetryableError as exc:

@@ -11,14 +11,17 @@ share them through Redis *leases*::
 
     {p}:load:replicas            zset   replica -> lease expiry (ms)
     {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks,
-                                                    queued_context,queued_taken"
+                                                    queued_context,queued_taken,
+                                                    queued_dram,queued_ssd"
                                                    (PEXPIRE lease)
 
-``queued_context`` is the attention work of the queued tokens and
+``queued_context`` is the attention work of the queued tokens,
 ``queued_taken`` the cached blocks their admission takes from the free HBM
-pool, as a worker's heartbeat counts them (``queued_prefill_context``,
-``queued_taken_blocks``). A reader also accepts the two- to four-field forms
-of older replicas (the missing fields 0) during a rolling upgrade.
+pool, and ``queued_dram`` / ``queued_ssd`` those of them it brings up from
+DRAM / SSD (the admitting step pays their load), as a worker's heartbeat
+counts them (``queued_prefill_context``, ``queued_taken_blocks``,
+``queued_load_blocks``). A reader also accepts the two- to six-field forms of
+older replicas (the missing fields 0) during a rolling upgrade.
 
 Every ``sync_interval_s`` a replica writes its absolute counts (never
 increments) and renews its lease, then reads the other live replicas'.
@@ -43,7 +46,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
@@ -54,7 +57,7 @@ from indexer.views import WorkerView
 from indexer.wire import Keyspace
 from policies.cost_model import prefill_context
 
-__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket"]
+__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket", "admission_load"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,10 @@ class Load:
     #: The cached prefix blocks those queued requests take from HBM's free pool on
     #: admission (a view's ``queued_taken_blocks``).
     queued_taken: int = 0
+    #: Of those, the blocks brought up from DRAM and from SSD (a view's
+    #: ``queued_load_blocks``).
+    queued_dram: int = 0
+    queued_ssd: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
@@ -115,6 +122,8 @@ class Load:
         self.held_blocks += other.held_blocks
         self.queued_context += other.queued_context
         self.queued_taken += other.queued_taken
+        self.queued_dram += other.queued_dram
+        self.queued_ssd += other.queued_ssd
 
     def sub(self, other: Load) -> None:
         """Take ``other`` (accumulated before) out of this load."""
@@ -123,19 +132,21 @@ class Load:
         self.held_blocks -= other.held_blocks
         self.queued_context -= other.queued_context
         self.queued_taken -= other.queued_taken
+        self.queued_dram -= other.queued_dram
+        self.queued_ssd -= other.queued_ssd
 
     def empty(self) -> bool:
         """Nothing counted."""
         return not any(
             (self.in_flight, self.queued_tokens, self.held_blocks, self.queued_context,
-             self.queued_taken)
+             self.queued_taken, self.queued_dram, self.queued_ssd)
         )  # fmt: skip
 
     def pack(self) -> str:
         """The load-sharing wire form."""
         return (
             f"{self.in_flight},{self.queued_tokens},{self.held_blocks},{self.queued_context},"
-            f"{self.queued_taken}"
+            f"{self.queued_taken},{self.queued_dram},{self.queued_ssd}"
         )
 
     @classmethod
@@ -143,12 +154,24 @@ class Load:
         """Parse :meth:`pack`'s form (or an older replica's shorter one, from two fields).
 
         Raises:
-            ValueError: Not two to five integers.
+            ValueError: Not two to seven integers.
         """
         fields = [int(x) for x in packed.split(b",")]
-        if not 2 <= len(fields) <= 5:
-            raise ValueError(f"load entry {packed!r}: expected 2 to 5 fields")
+        if not 2 <= len(fields) <= 7:
+            raise ValueError(f"load entry {packed!r}: expected 2 to 7 fields")
         return cls(*fields)
+
+
+def admission_load(scores: Mapping[str, float]) -> Load:
+    """A request's admission share on one worker, from the policy's scores there: the
+    cached blocks it takes from the free HBM pool (``taken_blocks``) and those it
+    brings up from DRAM and SSD (``load_dram_blocks``, ``load_ssd_blocks``); zero where
+    a policy does not score them."""
+    return Load(
+        queued_taken=int(scores.get("taken_blocks", 0)),
+        queued_dram=int(scores.get("load_dram_blocks", 0)),
+        queued_ssd=int(scores.get("load_ssd_blocks", 0)),
+    )
 
 
 @dataclass(slots=True)
@@ -159,7 +182,7 @@ class Ticket:
     worker: str
     #: Its share until its first byte: prompt tokens to prefill, their attention work
     #: (``policies.cost_model.prefill_context``), the cached blocks its admission takes
-    #: from HBM's free pool (the policy's figure).
+    #: from HBM's free pool and those it loads from DRAM and SSD (the policy's figures).
     queued: Load
     #: The prompt's block keys (cached ones included): what the worker holds once prefilled.
     keys: Sequence[int] = ()
@@ -208,18 +231,19 @@ class LoadTracker:
 
     def begin(
         self, worker: str, prefill_tokens: int, keys: Sequence[int] = (), prompt_tokens: int = 0,
-        taken_blocks: int = 0,
+        admission: Load | None = None,
     ) -> Ticket:  # fmt: skip
         """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
         The prompt's block ``keys`` are held from its first byte to its end; with its
         length ``prompt_tokens`` the attention work of the prefill is counted too, and
-        ``taken_blocks`` (cached blocks its admission takes from the free pool) until its
-        first byte.
+        ``admission`` (the cached blocks its admission takes from the free pool and
+        loads from DRAM and SSD: :func:`admission_load`) until its first byte.
         """
         context = prefill_context(prompt_tokens, prefill_tokens) if prompt_tokens else 0
-        queued = Load(queued_tokens=prefill_tokens, queued_context=context,
-                      queued_taken=taken_blocks)  # fmt: skip
+        queued = replace(admission) if admission is not None else Load()
+        queued.queued_tokens += prefill_tokens
+        queued.queued_context += context
         self._add(worker, 1, queue=queued)
         return Ticket(self, worker, queued, keys)
 

@@ -22,7 +22,7 @@ from indexer.wire import Keyspace, encode_view
 from kvrouter.embedded_redis import free_port
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.discovery import WorkerDirectory
-from kvrouter.gateway.load import Load, LoadTracker
+from kvrouter.gateway.load import Load, LoadTracker, admission_load
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.routing import ModelTokens, Router
 from kvrouter.gateway.settings import RouterSettings
@@ -133,7 +133,7 @@ async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_q
     # queue cost more than its linear share, and queued_taken_blocks. Both leave with the
     # first byte.
     a, b = replicas
-    long = a.begin("w0", 30_720, prompt_tokens=32_768, taken_blocks=128)
+    long = a.begin("w0", 30_720, prompt_tokens=32_768, admission=Load(queued_taken=128))
     short = a.begin("w0", 100, prompt_tokens=100)
     work = 30_720 * 2_048 + 30_720**2 // 2 + 100**2 // 2
     await a.sync()
@@ -150,6 +150,32 @@ async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_q
     assert b.load("w1") == Load(1, 10, 0, 50, 0)
     short.end()
     long.end()
+    assert "w0" not in a.local
+
+
+async def test_replicas_share_the_loads_from_dram_and_ssd_of_what_they_queued(
+    replicas: tuple[LoadTracker, LoadTracker],
+) -> None:
+    # A prompt whose 1,080 cached blocks sit on DRAM and 40 on SSD: the step that admits
+    # it brings them up before computing anything, so a request queued behind it on that
+    # worker waits for the loads. The other replica sees them until the first byte, and
+    # the dispatcher takes them from the policy's scores.
+    a, b = replicas
+    scores = {"taken_blocks": 1_120.0, "load_dram_blocks": 1_080.0, "load_ssd_blocks": 40.0}
+    ticket = a.begin("w0", 261, prompt_tokens=19_589, admission=admission_load(scores))
+    await a.sync()
+    await b.sync()
+    seen = b.load("w0")
+    assert (seen.queued_taken, seen.queued_dram, seen.queued_ssd) == (1_120, 1_080, 40)
+    ticket.first_byte()
+    await a.sync()
+    await b.sync()
+    assert b.load("w0") == Load(in_flight=1)  # in flight still, nothing queued
+    # A replica of the version before publishes five fields: no loads.
+    await publish_old(a, {"w1": "1,10,0,50,4"})
+    await b.sync()
+    assert b.load("w1") == Load(1, 10, 0, 50, 4, 0, 0)
+    ticket.end()
     assert "w0" not in a.local
 
 

@@ -14,7 +14,7 @@ from engine_worker.protocol import CompletionRequest
 from indexer.events import BlockStored, Event, EventBatch
 from indexer.index.memory import MemoryIndex
 from indexer.keys import root_parent
-from indexer.media import MEDIA
+from indexer.media import MEDIA, Medium
 from indexer.views import PrefixMatch, WorkerView
 from kvrouter.bench.simulator import SimConfig, simulate
 from kvrouter.bench.trace import PromptFactory, TraceRecord
@@ -253,6 +253,22 @@ def test_the_overlay_carries_the_attention_work_of_the_prompts_routed_since_the_
     scores = out.decision.scores
     assert scores["long"]["queue_s"] > 1.5 * scores["short"]["queue_s"]
     assert out.worker == "short"
+
+
+def test_the_overlay_lays_the_loads_from_dram_and_ssd_of_what_the_router_queued() -> None:
+    # The heartbeat was taken while the router's request on "w" waited to bring 1,080
+    # blocks up from DRAM; it has had its first byte since, and the router has queued
+    # another that loads 40 from SSD. Dated, the stale DRAM load goes at once; undated,
+    # each medium shows the larger of the two figures.
+    heartbeat = replace(view("w", running=1, queued=261), queued_load_blocks={Medium.DRAM: 1_080})
+    then = Load(in_flight=1, queued_tokens=261, queued_taken=1_080, queued_dram=1_080)
+    now = Load(in_flight=2, queued_tokens=300, queued_taken=40, queued_ssd=40)
+    dated = overlay([heartbeat], lambda _: now, lambda _: then)[0]
+    assert dated.queued_load_blocks == {Medium.SSD: 40}
+    undated = overlay([heartbeat], lambda _: now)[0]
+    assert undated.queued_load_blocks == {Medium.DRAM: 1_080, Medium.SSD: 40}
+    # Nothing counted and nothing shown: no figure appears.
+    assert overlay([view("idle")], lambda _: Load(in_flight=1))[0].queued_load_blocks == {}
 
 
 def test_the_simulators_held_counts_follow_each_request_from_first_token_to_end() -> None:
