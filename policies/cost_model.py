@@ -17,6 +17,7 @@ decode batch look as fast as an idle one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from indexer.media import Medium
 from indexer.profile import DEFAULT_TRANSFER_BANDWIDTH, TimingProfile
@@ -32,6 +33,7 @@ __all__ = [
     "prefill_seconds",
     "pull_seconds",
     "queue_seconds",
+    "queued_load_seconds",
     "resolve_profile",
     "split_prompt",
 ]
@@ -235,10 +237,30 @@ def load_seconds(
     """
     if match is None:
         return 0.0
+    return _blocks_load_seconds(
+        view, profile, {m: match.on(m) for m in (Medium.DRAM, Medium.SSD)}, block_size
+    )
+
+
+def queued_load_seconds(view: WorkerView, profile: TimingProfile) -> float:
+    """Time the worker spends bringing its queue's cached DRAM and SSD blocks into HBM.
+
+    The step that admits a request loads its lower-tier prefix before computing it
+    (the view's ``queued_load_blocks``), so a new request queued behind waits for the
+    loads as well as for the queued prefill: a queued 20K-token prefix on DRAM delays
+    the next request by its transfer even though it computes nothing.
+    """
+    if not view.queued_load_blocks:
+        return 0.0
+    return _blocks_load_seconds(view, profile, view.queued_load_blocks, view.block_size)
+
+
+def _blocks_load_seconds(
+    view: WorkerView, profile: TimingProfile, blocks: Mapping[Medium, int], block_size: int
+) -> float:
     total = 0.0
-    for medium in (Medium.DRAM, Medium.SSD):
-        blocks = match.on(medium)
+    for medium, n in blocks.items():
         bandwidth = view.bandwidth(medium) or profile.load_bandwidth.get(medium)
-        if blocks > 0 and bandwidth:
-            total += blocks * block_size * profile.kv_bytes_per_token / bandwidth
+        if n > 0 and bandwidth:
+            total += n * block_size * profile.kv_bytes_per_token / bandwidth
     return total

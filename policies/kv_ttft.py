@@ -13,7 +13,9 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   while the running decode batch (its published KV tokens) takes its share of
   every step, plus the attention the queued tokens pay to the context before
   their chunk (``queued_prefill_context``): a queued 100K-token prompt costs
-  several times its token count (``policies.cost_model``);
+  several times its token count (``policies.cost_model``), plus bringing up the
+  queue's cached DRAM and SSD blocks (``queued_load_blocks``), which the step
+  admitting each request pays before any of it is computed;
 * ``memory``: what the new prompt loses when it does not fit in ``w``'s HBM
   beside what running and queued requests hold and will grow into
   (``memory_wait_seconds``): a vLLM-style scheduler admits it, preempts it when
@@ -109,6 +111,7 @@ from policies.cost_model import (
     prefill_seconds,
     pull_seconds,
     queue_seconds,
+    queued_load_seconds,
     resolve_profile,
     split_prompt,
 )
@@ -257,6 +260,7 @@ class KvTtftPolicy:
                 kv,
                 view.queued_prefill_context,
             )
+            queue += queued_load_seconds(view, profile)
             # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
             # request holds them: the router's annotation), leave the room it is priced on.
             taken = 0
@@ -298,6 +302,10 @@ class KvTtftPolicy:
                 # Cached blocks its admission takes from the free pool (lower tiers, idle
                 # HBM, pulled): the router counts them as queued until its first byte.
                 "taken_blocks": float(taken + pulled),
+                # Of those, the ones its admitting step brings up from DRAM and SSD (the
+                # router counts them as the queue's loads until its first byte).
+                "load_dram_blocks": float(match.on(Medium.DRAM) if match is not None else 0),
+                "load_ssd_blocks": float(match.on(Medium.SSD) if match is not None else 0),
                 "speculative_tokens": float(spec_tokens),
                 "in_flight": float(in_flight),
                 "ttft_s": ttft,

@@ -580,3 +580,22 @@ def test_a_queued_request_bringing_up_its_prefix_holds_up_the_requests_behind_it
         KvTtftPolicy().choose(request(prompt), [roomy], idle).scores["roomy"]["taken_blocks"]
         == 128.0
     )
+
+
+def test_a_queue_that_loads_a_long_prefix_from_dram_is_slower_than_its_tokens_say() -> None:
+    # "loading" has 261 tokens queued, but the request they belong to first brings its
+    # 1,080 cached blocks (17,280 tokens, 2.3 GB) up from DRAM, ~45 ms at the profile's
+    # 50 GB/s; "computing" has 1,500 tokens queued (~32 ms) and nothing to load. A cold
+    # 512-token prompt waits less behind "computing" (an agent step replayed on the
+    # suite's `agent` workload was predicted 40 ms and took 122 ms behind such a load).
+    prompt = tokens(512, seed=41)
+    loading = replace(
+        view("loading", running=1, queued=261), queued_load_blocks={Medium.DRAM: 1_080}
+    )
+    computing = view("computing", running=1, queued=1_500)
+    d = KvTtftPolicy().choose(request(prompt), [loading, computing], {})
+    assert d.scores["loading"]["queue_s"] > dram_load(1_080) > d.scores["computing"]["queue_s"]
+    assert d.worker == "computing"
+    # Without the load (an older worker that does not publish it) the choice flips.
+    unseen = replace(loading, queued_load_blocks={})
+    assert KvTtftPolicy().choose(request(prompt), [unseen, computing], {}).worker == "loading"
