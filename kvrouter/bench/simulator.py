@@ -48,7 +48,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -70,11 +70,11 @@ from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import HeldBlocks, Load, admission_load
+from kvrouter.gateway.load import HeldBlocks, Load, admission_load, queued_share
 from kvrouter.gateway.pd import PdMode, PdPlanner
 from kvrouter.router_core import CoreDecision, RouterCore, route_request
 from policies.base import NoWorkerError, Policy
-from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH, prefill_context
+from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
 __all__ = [
     "SimConfig",
@@ -507,9 +507,7 @@ class _Cluster:
         self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         uncached = max(tokens - matched_blocks * self.config.block_size, 1)
-        queued = replace(admission) if admission is not None else Load()
-        queued.queued_tokens += uncached
-        queued.queued_context += prefill_context(tokens, uncached)
+        queued = queued_share(uncached, tokens, admission)
         w.queued.add(queued)
         self.unprefilled[rid] = queued
         self.live[rid] = i

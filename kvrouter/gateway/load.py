@@ -57,7 +57,7 @@ from indexer.views import WorkerView
 from indexer.wire import Keyspace
 from policies.cost_model import prefill_context
 
-__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket", "admission_load"]
+__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket", "admission_load", "queued_share"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,18 @@ class Load:
         return cls(*fields)
 
 
+def queued_share(prefill_tokens: int, prompt_tokens: int, admission: Load | None = None) -> Load:
+    """What a request routed to a worker adds to its queued figures until its first byte:
+    the ``prefill_tokens`` it still computes of a ``prompt_tokens`` prompt, their attention
+    work (:func:`policies.cost_model.prefill_context`; 0 when the length is not known) and
+    its ``admission`` share (:func:`admission_load`)."""
+    share = replace(admission) if admission is not None else Load()
+    share.queued_tokens += prefill_tokens
+    if prompt_tokens:
+        share.queued_context += prefill_context(prompt_tokens, prefill_tokens)
+    return share
+
+
 def admission_load(scores: Mapping[str, float]) -> Load:
     """A request's admission share on one worker, from the policy's scores there: the
     cached blocks it takes from the free HBM pool (``taken_blocks``) and those it
@@ -240,10 +252,7 @@ class LoadTracker:
         ``admission`` (the cached blocks its admission takes from the free pool and
         loads from DRAM and SSD: :func:`admission_load`) until its first byte.
         """
-        context = prefill_context(prompt_tokens, prefill_tokens) if prompt_tokens else 0
-        queued = replace(admission) if admission is not None else Load()
-        queued.queued_tokens += prefill_tokens
-        queued.queued_context += context
+        queued = queued_share(prefill_tokens, prompt_tokens, admission)
         self._add(worker, 1, queue=queued)
         return Ticket(self, worker, queued, keys)
 
