@@ -224,13 +224,15 @@ class Scheduler:
             matched = self.pool.match_prefix(request.ensure_keys(request.num_tokens))
             hit = len(matched)
             request.expected_cached_tokens = min(hit * self.block_size, request.num_tokens - 1)
-            request.expected_taken_blocks = sum(
-                1 for b in matched if b.medium is not Medium.HBM or b.ref_cnt == 0
-            )
+            taken = 0
             lower: dict[Medium, int] = {}
             for b in matched:
                 if b.medium is not Medium.HBM:
+                    taken += 1
                     lower[b.medium] = lower.get(b.medium, 0) + 1
+                elif b.ref_cnt == 0:
+                    taken += 1
+            request.expected_taken_blocks = taken
             request.expected_load_blocks = lower
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request

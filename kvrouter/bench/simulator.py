@@ -48,7 +48,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -414,11 +414,8 @@ class _Cluster:
     def tracked(self, host: str) -> Load:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
-        q = w.queued
-        return Load(
-            w.in_flight, q.queued_tokens, len(w.tracked_held), q.queued_context, q.queued_taken,
-            q.queued_dram, q.queued_ssd,
-        )  # fmt: skip
+        # The queued shares carry every queued figure; in flight and held are kept apart.
+        return replace(w.queued, in_flight=w.in_flight, held_blocks=len(w.tracked_held))
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
