@@ -335,6 +335,12 @@ def suite(
         float,
         typer.Option(help="Routers' heartbeat period (0: exact views; 1000: a live gateway)."),
     ] = 0.0,
+    seeds: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated seeds to replay instead of the sets' (a set named 'seeds')."
+        ),
+    ] = "",
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -348,10 +354,16 @@ def suite(
             param_hint="--only",
         )
     try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(
+            f"seeds are comma-separated integers; got {seeds!r}", param_hint="--seeds"
+        ) from None
+    try:
         run_suite(
             out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
             plots=plots, loads=[x for x in load.split(",") if x],
-            view_interval_s=view_interval_ms / 1e3,
+            view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -374,6 +374,7 @@ def run_suite(
     plots: bool = True,
     loads: Sequence[str] = (),
     view_interval_s: float = 0.0,
+    seeds: Sequence[int] = (),
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -388,10 +389,13 @@ def run_suite(
         loads: Restrict to these load labels (all when empty).
         view_interval_s: The routers' heartbeat period (0: exact views at each routing;
             1.0 is the workers' default heartbeat, what a live gateway sees).
+        seeds: Instead of ``sets``, replay these seeds of every selected workload, as
+            one set named ``seeds``: traces the stored tables never held, to check that
+            a result holds beyond the seeds it was measured on.
 
     Raises:
-        ValueError: Nothing selected (an unknown set, workload or load label), or a
-            negative view interval.
+        ValueError: Nothing selected (an unknown set, workload or load label), a
+            negative view interval or seed.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -399,7 +403,14 @@ def run_suite(
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = policy_names()
-    selected = [(s, case, seed) for s in sets for case, seed in SETS[s] if not only or case in only]
+    if bad_seeds := [x for x in seeds if x < 0]:
+        raise ValueError(f"seeds must be >= 0, got {', '.join(map(str, bad_seeds))}")
+    if seeds:
+        selected = [("seeds", case, seed) for case in (only or CASES) for seed in seeds]
+    else:
+        selected = [
+            (s, case, seed) for s in sets for case, seed in SETS[s] if not only or case in only
+        ]
     if not selected:
         raise ValueError("no run selected")
     labels = {label for _, case, _ in selected for label, _ in _case(case, quick).loads}

@@ -98,3 +98,32 @@ def test_the_suite_replays_one_load_with_heartbeat_lagged_views(tmp_path: Path) 
     negative = CliRunner().invoke(app, [*out, "--view-interval-ms", "-5"])
     assert negative.exit_code != 0
     assert "view interval must be >= 0" in negative.output
+
+
+def test_the_suite_replays_seeds_no_stored_table_holds(tmp_path: Path) -> None:
+    # A result measured on the stored seeds is checked on others: same workloads and
+    # policies, new traces, printed as their own set.
+    console = Console(width=200, record=True)
+    fresh = run_suite(
+        tmp_path, console=console, quick=True, only=["groups"], jobs=2, plots=False,
+        loads=["load90"], seeds=[7, 8],
+    )  # fmt: skip
+    assert [(c.set, c.seed) for c in fresh] == [("seeds", 7), ("seeds", 8)]
+    assert all({s.policy for s in c.summaries} == set(policy_names()) for c in fresh)
+    stored = run_suite(
+        tmp_path / "stored", console=console, quick=True, sets=["tune"], only=["groups"],
+        jobs=2, plots=False, loads=["load90"],
+    )  # fmt: skip
+    # Other traces: the same policy meets other requests.
+    ttfts = {c.seed: c.summary(DEFAULT_POLICY).ttft_mean_s for c in (*fresh, *stored)}
+    assert len(set(ttfts.values())) == 3
+    assert "seeds set: kv_ttft / best peer at each percentile" in console.export_text()
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert [r["cell"] for r in written["rows"]] == ["groups_s7_load90", "groups_s8_load90"]
+    out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
+    word = CliRunner().invoke(app, [*out, "--seeds", "3,x"])
+    assert word.exit_code != 0
+    assert "seeds are comma-separated integers" in word.output
+    negative = CliRunner().invoke(app, [*out, "--seeds=-1"])
+    assert negative.exit_code != 0
+    assert "seeds must be >= 0" in negative.output
