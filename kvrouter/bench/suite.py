@@ -406,7 +406,8 @@ def run_suite(
     if bad_seeds := [x for x in seeds if x < 0]:
         raise ValueError(f"seeds must be >= 0, got {', '.join(map(str, bad_seeds))}")
     if seeds:
-        selected = [("seeds", case, seed) for case in (only or CASES) for seed in seeds]
+        once = dict.fromkeys(seeds)
+        selected = [("seeds", case, seed) for case in (only or CASES) for seed in once]
     else:
         selected = [
             (s, case, seed) for s in sets for case, seed in SETS[s] if not only or case in only

@@ -106,7 +106,7 @@ def test_the_suite_replays_seeds_no_stored_table_holds(tmp_path: Path) -> None:
     console = Console(width=200, record=True)
     fresh = run_suite(
         tmp_path, console=console, quick=True, only=["groups"], jobs=2, plots=False,
-        loads=["load90"], seeds=[7, 8],
+        loads=["load90"], seeds=[7, 8, 7],
     )  # fmt: skip
     assert [(c.set, c.seed) for c in fresh] == [("seeds", 7), ("seeds", 8)]
     assert all({s.policy for s in c.summaries} == set(policy_names()) for c in fresh)
