@@ -209,6 +209,9 @@ def sim(
         float, typer.Option(help="KV transfer bandwidth between workers, GB/s.")
     ] = 12.5,
     seed: Annotated[int, typer.Option(help="Seed of the policies and epochs.")] = 0,
+    jitter: Annotated[
+        int, typer.Option(help="k > 0: delay each arrival by a seeded amount under 1 ms.")
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
     limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
@@ -237,6 +240,7 @@ def sim(
             decode_workers=decode_workers,
             pd=pd,  # type: ignore[arg-type]
             transfer_bandwidth=transfer_gbps * 1e9,
+            jitter=jitter,
         )
         config.capacity()
     except (ValueError, ProfileError) as exc:
@@ -341,6 +345,10 @@ def suite(
             help="Comma-separated seeds to replay instead of the sets' (a set named 'seeds')."
         ),
     ] = "",
+    jitter: Annotated[
+        int,
+        typer.Option(help="k > 0: replay with each arrival delayed by a seeded amount < 1 ms."),
+    ] = 0,
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -363,7 +371,7 @@ def suite(
         run_suite(
             out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
             plots=plots, loads=[x for x in load.split(",") if x],
-            view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
+            view_interval_s=view_interval_ms / 1e3, seeds=seed_list, jitter=jitter,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -77,6 +77,7 @@ from policies.base import NoWorkerError, Policy
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
 __all__ = [
+    "JITTER_S",
     "SimConfig",
     "SimResult",
     "SimulationError",
@@ -92,6 +93,9 @@ __all__ = [
 HBM_KV_BYTES = 80e9 * 0.9 - 16e9
 DRAM_KV_BYTES = 64e9
 SSD_KV_BYTES = 256e9
+
+#: The most a perturbed replay (``SimConfig.jitter``) delays an arrival: 1 ms.
+JITTER_S = 1e-3
 
 
 class SimulationError(RuntimeError):
@@ -130,6 +134,12 @@ class SimConfig:
             ``auto``; :class:`kvrouter.gateway.pd.PdPlanner`).
         transfer_bandwidth: Bytes/s of a KV transfer between two workers (PD hand-offs
             and pooled prefixes); the default is one 100 Gb/s RDMA NIC.
+        jitter: 0 replays the trace's arrival times as they are; k > 0 delays each
+            arrival by a seeded amount under :data:`JITTER_S` (the k-th perturbation),
+            less than any client or network adds. Near capacity a replay is chaotic:
+            such a perturbation moves a cell's TTFT p90 by tens of percent
+            (docs/benchmarks.md, "Arrival jitter"), so replaying a few ``k`` tells a
+            difference between two policies from the luck of one trajectory.
     """
 
     workers: int = 8
@@ -151,8 +161,11 @@ class SimConfig:
     decode_workers: int = 0
     pd: PdMode = "never"
     transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH
+    jitter: int = 0
 
     def __post_init__(self) -> None:
+        if self.jitter < 0:
+            raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         if min(self.workers, self.prefill_workers, self.decode_workers) < 0:
             raise ValueError("worker counts must be >= 0")
         if self.workers + self.prefill_workers + self.decode_workers < 1:
@@ -624,6 +637,9 @@ class _Cluster:
     def run(self, progress: Callable[[int], None] | None) -> None:
         """Process arrivals and step ends in time order until every request finished."""
         arrivals = arrival_times(self.trace, self.config.time_scale)
+        if self.config.jitter:
+            rng = random.Random(f"jitter:{self.config.jitter}")
+            arrivals = [t + rng.random() * JITTER_S for t in arrivals]
         order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
         heap = self.heap
         n = len(order)

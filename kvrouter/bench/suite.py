@@ -232,11 +232,17 @@ _Pending = tuple["_Run", str, float, float, dict[str, Future[_Replayed]], Future
 
 
 def _replay(
-    name: str, seed: int, quick: bool, time_scale: float, policy: str, view_interval_s: float = 0.0
+    name: str,
+    seed: int,
+    quick: bool,
+    time_scale: float,
+    policy: str,
+    view_interval_s: float = 0.0,
+    jitter: int = 0,
 ) -> _Replayed:
     trace = _trace(name, seed, quick)
     config = _case(name, quick).config(seed, time_scale)
-    config = dataclasses.replace(config, view_interval_s=view_interval_s)
+    config = dataclasses.replace(config, view_interval_s=view_interval_s, jitter=jitter)
     result = simulate(trace, build_policy(policy, seed=seed), config)
     return result.records, result.busy_s
 
@@ -375,6 +381,7 @@ def run_suite(
     loads: Sequence[str] = (),
     view_interval_s: float = 0.0,
     seeds: Sequence[int] = (),
+    jitter: int = 0,
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -392,10 +399,14 @@ def run_suite(
         seeds: Instead of ``sets``, replay these seeds of every selected workload, as
             one set named ``seeds``: traces the stored tables never held, to check that
             a result holds beyond the seeds it was measured on.
+        jitter: Replay every cell's arrivals under this perturbation (``SimConfig.jitter``:
+            each arrival up to 1 ms later); 0 replays them as they are. Running the suite
+            at a few values shows which differences between policies outlast the luck of
+            one trajectory.
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
-            negative view interval or seed.
+            negative view interval, seed or jitter.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -420,6 +431,8 @@ def run_suite(
         raise ValueError(f"unknown load {', '.join(bad)}; the runs have {have}")
     if not view_interval_s >= 0:
         raise ValueError(f"view interval must be >= 0, got {view_interval_s}")
+    if jitter < 0:
+        raise ValueError(f"jitter must be >= 0, got {jitter}")
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
@@ -438,7 +451,9 @@ def run_suite(
                     continue
                 scale = load * capacity / natural
                 replays: dict[str, Future[_Replayed]] = {
-                    p: pool.submit(_replay, run.case, run.seed, quick, scale, p, view_interval_s)
+                    p: pool.submit(
+                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, jitter
+                    )
                     for p in names
                 }
                 oracle = pool.submit(_oracle, run.case, run.seed, quick, scale)
@@ -476,7 +491,7 @@ def run_suite(
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json", view_interval_s)
+    _write(cells, out_dir / "suite.json", view_interval_s, jitter)
     return cells
 
 
@@ -545,7 +560,9 @@ def _plotted() -> dict[str, int]:
     return first
 
 
-def _write(cells: Sequence[CellResult], path: Path, view_interval_s: float = 0.0) -> None:
+def _write(
+    cells: Sequence[CellResult], path: Path, view_interval_s: float = 0.0, jitter: int = 0
+) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
         "prediction_error": {
@@ -554,7 +571,9 @@ def _write(cells: Sequence[CellResult], path: Path, view_interval_s: float = 0.0
         },
         "cells": [msgspec.structs.replace(c, prediction=[]) for c in cells],
         "config": {
-            name: config_dict(dataclasses.replace(case.config(0), view_interval_s=view_interval_s))
+            name: config_dict(
+                dataclasses.replace(case.config(0), view_interval_s=view_interval_s, jitter=jitter)
+            )
             for name, case in CASES.items()
         },
     }

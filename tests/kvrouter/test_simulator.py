@@ -14,6 +14,7 @@ from indexer.keys import block_keys, root_parent
 from kvrouter.bench.oracle import LruOracle, oracle_bound
 from kvrouter.bench.report import summarize
 from kvrouter.bench.simulator import (
+    JITTER_S,
     SimConfig,
     SimResult,
     SimulationError,
@@ -99,6 +100,25 @@ def test_a_replay_is_reproducible(policy: str) -> None:
     assert summarize(policy, first.records, first.busy_s) == summarize(
         policy, second.records, second.busy_s
     )
+
+
+def test_a_perturbed_replay_moves_arrivals_by_under_a_millisecond_and_repeats() -> None:
+    # jitter k replays the same requests, each arriving at most JITTER_S later; the same k
+    # gives the same replay, another k another one, and k = 0 is the trace as it is.
+    trace = generate(GROUPS, seed=4)
+    plain = run(trace, "kv_ttft")
+    nudged = [run(trace, "kv_ttft", dataclasses.replace(SMALL, jitter=k)) for k in (1, 1, 2)]
+    assert nudged[0].records == nudged[1].records
+    shifts = [
+        [b.arrival_s - a.arrival_s for a, b in zip(plain.records, n.records, strict=True)]
+        for n in nudged
+    ]
+    assert all(0.0 <= d < JITTER_S for row in shifts for d in row)
+    assert shifts[0] != shifts[2]
+    assert max(shifts[0]) > 0.0
+    for n in nudged:
+        assert all(r.finish_s is not None for r in n.records)
+        assert set(n.in_use_blocks.values()) == {0}
 
 
 def test_cache_aware_routing_beats_round_robin_on_shared_prefixes() -> None:
@@ -217,6 +237,7 @@ def test_prompt_keys_route_and_cache_under_the_models_root() -> None:
         {"max_num_seqs": 0},
         {"event_delay_s": -0.1},
         {"time_scale": 0.0},
+        {"jitter": -1},
     ],
 )
 def test_a_bad_cluster_is_refused(options: dict[str, float]) -> None:

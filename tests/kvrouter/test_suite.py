@@ -9,7 +9,14 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvrouter.bench.suite import CASES, SETS, prediction_error, run_suite, versus_best_peer
+from kvrouter.bench.suite import (
+    CASES,
+    SETS,
+    CellResult,
+    prediction_error,
+    run_suite,
+    versus_best_peer,
+)
 from kvrouter.cli import app
 from policies.registry import DEFAULT_POLICY, policy_names
 
@@ -127,3 +134,33 @@ def test_the_suite_replays_seeds_no_stored_table_holds(tmp_path: Path) -> None:
     negative = CliRunner().invoke(app, [*out, "--seeds=-1"])
     assert negative.exit_code != 0
     assert "seeds must be >= 0" in negative.output
+
+
+def test_the_suite_replays_cells_under_an_arrival_perturbation(tmp_path: Path) -> None:
+    # The same cells with every arrival up to 1 ms later: the same requests and policies,
+    # another trajectory, and the written config says which perturbation it was.
+    console = Console(width=200, record=True)
+
+    def replay(out: Path, jitter: int) -> list[CellResult]:
+        return run_suite(
+            out, console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
+            plots=False, loads=["load90"], jitter=jitter,
+        )  # fmt: skip
+
+    plain, nudged = replay(tmp_path / "plain", 0), replay(tmp_path, 3)
+    assert [c.label for c in nudged] == [c.label for c in plain]
+    for a, b in zip(plain, nudged, strict=True):
+        assert [s.requests for s in a.summaries] == [s.requests for s in b.summaries]
+    means = {
+        (c.seed, p, run): c.summary(p).ttft_mean_s
+        for run, cells in (("plain", plain), ("nudged", nudged))
+        for c in cells
+        for p in policy_names()
+    }
+    assert any(means[(1, p, "plain")] != means[(1, p, "nudged")] for p in policy_names())
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert written["config"]["groups"]["jitter"] == 3
+    out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
+    negative = CliRunner().invoke(app, [*out, "--jitter=-1"])
+    assert negative.exit_code != 0
+    assert "jitter must be >= 0" in negative.output
