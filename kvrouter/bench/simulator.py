@@ -138,7 +138,7 @@ class SimConfig:
             arrival by a seeded amount under :data:`JITTER_S` (the k-th perturbation),
             less than any client or network adds. Near capacity a replay is chaotic:
             such a perturbation moves a cell's TTFT p90 by tens of percent
-            (docs/benchmarks.md, "Arrival jitter"), so replaying a few ``k`` tells a
+            (docs/benchmarks.md, "2026-12-04 (fourth)"), so replaying a few ``k`` tells a
             difference between two policies from the luck of one trajectory.
     """
 
