@@ -402,7 +402,9 @@ class Fleet:
             self.wait_routable(g, len(self.workers), timeout)
         _, waited = wait_for(lambda: _ok(self.indexer.url + "/ready"), timeout)
         if not _ok(self.indexer.url + "/ready"):
-            raise TimeoutError(f"indexer not ready after {waited:.0f}s")
+            raise TimeoutError(
+                f"indexer not ready after {waited:.0f}s\n" + self.diagnosis([self.indexer])
+            )
         left = max(5.0, timeout - (time.monotonic() - t0))
         index_s, last = self.wait_index_ok(left)
         if index_s is None:
@@ -423,8 +425,38 @@ class Fleet:
 
         found, waited = wait_for(probe, timeout, 0.1)
         if found is None:
-            raise TimeoutError(f"gateway {gateway.name} does not see {workers} workers")
+            raise TimeoutError(
+                f"gateway {gateway.name} does not see {workers} workers after {waited:.0f}s\n"
+                + self.diagnosis([gateway, *self.workers])
+            )
         return waited
+
+    def diagnosis(self, services: Iterable[Service], lines: int = 12) -> str:
+        """What a failed wait needs to be understood from a CI log alone: each service's
+        liveness and last log lines, the gateways' /ready and the presence keys in Redis
+        (read directly, never through the proxy)."""
+        out = []
+        for g in self.gateways:
+            try:
+                r = httpx.get(g.url + "/ready", timeout=2.0)
+                out.append(f"{g.name} /ready: {r.status_code} {r.text[:200]}")
+            except httpx.HTTPError as exc:
+                out.append(f"{g.name} /ready: {exc!r}")
+        client = redis.Redis.from_url(self.direct_redis_url, socket_timeout=5.0)
+        try:
+            hosts = sorted(h.decode() for h in client.hkeys(KEYSPACE.hosts))  # type: ignore[union-attr]
+            beating = [h for h in hosts if client.exists(KEYSPACE.heartbeat(h))]
+            out.append(f"redis: registered {hosts}, heartbeating {beating}")
+        except RedisError as exc:
+            out.append(f"redis: {exc!r}")
+        finally:
+            client.close()
+        out.append(f"proxies: redis {self.redis_proxy.stats}, worker {self.worker_proxy.stats}")
+        for s in services:
+            tail = (s.proc.logs() if s.proc is not None else "").splitlines()[-lines:]
+            out.append(f"--- {s.name} (alive: {s.alive}), last {len(tail)} log lines:")
+            out.extend(tail)
+        return "\n".join(out)
 
     def worker_view(self, worker: Service) -> dict[str, Any]:
         """The worker's own view, asked directly (never through a proxy); {} if it does not
