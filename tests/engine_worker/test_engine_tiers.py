@@ -124,6 +124,34 @@ def assert_same_answer(
     assert hit[1] == cold[1]
 
 
+def pull_prefix(a: WorkerCore, b: WorkerCore, prompts: Prompts) -> int:
+    """``b`` pulls the query's prefix blocks from ``a`` over the KV data socket (pinned
+    send, reserved receive, checksums), as PD and pooling do; returns the blocks landed."""
+    keys = a.request("probe", prompts.query).ensure_keys(len(prompts.query))[:PREFIX_BLOCKS]
+    name, layout = a.config.name, a.storage.layout
+
+    async def pull() -> int:
+        async def export(asked: Sequence[int], release: str | None) -> Outgoing:
+            return export_pinned(a.pool, a.storage, name, BLOCK_SIZE, asked)
+
+        reservations: list[Reservation] = []
+
+        async def land(header: TransferHeader) -> Sequence[memoryview]:
+            reservations.append(reserve_import(b.pool, b.storage, header.parent, header.keys))
+            return reservations[-1].views
+
+        server = KvSocketServer(export, None, "127.0.0.1")
+        await server.start()
+        try:
+            expected = expected_for(name, BLOCK_SIZE, layout, keys)
+            await fetch_blocks("127.0.0.1", server.port, None, keys, None, expected, 30.0, land)
+        finally:
+            await server.stop()
+        return reservations[0].commit()
+
+    return asyncio.run(pull())
+
+
 @pytest.mark.parametrize("model_name", MODELS)
 def test_a_prefix_hit_in_hbm_answers_like_a_cold_worker(
     load_model: Callable[[str], LlamaModel], model_name: str
@@ -209,29 +237,7 @@ def test_a_prefix_pulled_from_another_worker_answers_like_a_cold_worker(
     a = build_core(model, TierCapacity(hbm=HBM_BLOCKS))
     b = build_core(model, TierCapacity(hbm=HBM_BLOCKS))
     run_to_completion(a, [a.request("warm", prompts.warm)])
-    keys = a.request("probe", prompts.query).ensure_keys(len(prompts.query))[:PREFIX_BLOCKS]
-    name, layout = model.config.name, a.storage.layout
-
-    async def pull() -> int:
-        async def export(asked: Sequence[int], release: str | None) -> Outgoing:
-            return export_pinned(a.pool, a.storage, name, BLOCK_SIZE, asked)
-
-        reservations: list[Reservation] = []
-
-        async def land(header: TransferHeader) -> Sequence[memoryview]:
-            reservations.append(reserve_import(b.pool, b.storage, header.parent, header.keys))
-            return reservations[-1].views
-
-        server = KvSocketServer(export, None, "127.0.0.1")
-        await server.start()
-        try:
-            expected = expected_for(name, BLOCK_SIZE, layout, keys)
-            await fetch_blocks("127.0.0.1", server.port, None, keys, None, expected, 30.0, land)
-        finally:
-            await server.stop()
-        return reservations[0].commit()
-
-    assert asyncio.run(pull()) == PREFIX_BLOCKS
+    assert pull_prefix(a, b, prompts) == PREFIX_BLOCKS
     assert b.media_of(prompts.query) == [HBM] * PREFIX_BLOCKS
     assert_same_answer(ask(b, prompts, HBM), cold_answer(model, prompts))
 
