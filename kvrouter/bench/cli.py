@@ -27,7 +27,7 @@ from kvrouter.bench.report import (
     write_json,
 )
 from kvrouter.bench.simulator import SimConfig, SimulationError
-from kvrouter.bench.suite import CASES, SETS, run_suite
+from kvrouter.bench.suite import CASES, SETS, parse_jitter, run_suite
 from kvrouter.bench.trace import TraceError, TraceRecord, read_trace, write_trace
 from kvrouter.bench.workloads import (
     AgentWorkload,
@@ -346,9 +346,12 @@ def suite(
         ),
     ] = "",
     jitter: Annotated[
-        int,
-        typer.Option(help="k > 0: replay with each arrival delayed by a seeded amount < 1 ms."),
-    ] = 0,
+        str,
+        typer.Option(
+            help="Perturbations k (e.g. 3, 0-4, 0,2): k > 0 delays each arrival by a seeded "
+            "amount < 1 ms; several: medians over the runs, and how often each gap held."
+        ),
+    ] = "0",
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -371,7 +374,8 @@ def suite(
         run_suite(
             out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
             plots=plots, loads=[x for x in load.split(",") if x],
-            view_interval_s=view_interval_ms / 1e3, seeds=seed_list, jitter=jitter,
+            view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
+            jitter=parse_jitter(jitter),
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -26,6 +26,7 @@ imported when a plot is drawn so that the CLI starts fast.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "PolicySummary",
     "RequestRecord",
     "goodput_rps",
+    "median_summary",
     "plot_hit_rates",
     "plot_ttft_cdf",
     "render_table",
@@ -121,6 +123,36 @@ class PolicySummary(msgspec.Struct, kw_only=True):
     preemptions: int
     oracle_hit_rate: float | None = None
     hit_vs_oracle: float | None = None
+
+
+def median_summary(runs: Sequence[PolicySummary]) -> PolicySummary:
+    """One policy's figures over several replays of the same cell, field by field.
+
+    Each float field is the median of the runs' values, each count the low median
+    (a value one run had), each per-medium or per-worker figure the median per key:
+    a percentile that one lucky or unlucky trajectory moved does not move this.
+
+    Raises:
+        ValueError: No runs, or runs of different policies.
+    """
+    if not runs:
+        raise ValueError("no runs to summarize")
+    if len({r.policy for r in runs}) > 1:
+        raise ValueError(f"runs of several policies: {sorted({r.policy for r in runs})}")
+    fields: dict[str, object] = {}
+    for name in PolicySummary.__struct_fields__:
+        values = [getattr(r, name) for r in runs]
+        first = values[0]
+        if name == "policy" or first is None:
+            fields[name] = first
+        elif isinstance(first, int):
+            fields[name] = statistics.median_low(values)
+        elif isinstance(first, float):
+            fields[name] = statistics.median(values)
+        else:
+            keys = dict.fromkeys(k for v in values for k in v)
+            fields[name] = {k: statistics.median(v.get(k, 0.0) for v in values) for k in keys}
+    return PolicySummary(**fields)  # type: ignore[arg-type]
 
 
 class BenchReport(msgspec.Struct, kw_only=True):

@@ -52,6 +52,7 @@ from kvrouter.bench.compare import config_dict
 from kvrouter.bench.report import (
     PolicySummary,
     RequestRecord,
+    median_summary,
     plot_ttft_cdf,
     render_table,
     summarize,
@@ -78,6 +79,7 @@ __all__ = [
     "CellResult",
     "SuiteCase",
     "measure_capacity",
+    "parse_jitter",
     "prediction_error",
     "run_suite",
 ]
@@ -228,7 +230,7 @@ def _capacity(name: str, seed: int, quick: bool) -> tuple[float, float]:
 
 
 _Replayed = tuple[list[RequestRecord], dict[str, float]]
-_Pending = tuple["_Run", str, float, float, dict[str, Future[_Replayed]], Future[float]]
+_Pending = tuple["_Run", str, float, float, dict[tuple[str, int], Future[_Replayed]], Future[float]]
 
 
 def _replay(
@@ -267,8 +269,13 @@ class CellResult(msgspec.Struct, kw_only=True):
         capacity_rps: Measured capacity (round robin, saturated).
         time_scale: Arrival-rate multiplier of the replay.
         oracle_hit_rate: The oracle bound's hit rate.
-        summaries: Per policy, its figures.
-        prediction: ``kv_ttft``'s (prompt tokens, predicted, simulated TTFT) per request.
+        summaries: Per policy, its figures (with several perturbations, the median of
+            its runs' figures: :func:`~kvrouter.bench.report.median_summary`).
+        prediction: ``kv_ttft``'s (prompt tokens, predicted, simulated TTFT) per request
+            (of the first perturbation's run).
+        jitter: The arrival perturbations the cell was replayed under (``SimConfig.jitter``).
+        runs: With several perturbations, each one's summaries, in ``jitter`` order
+            (empty for one).
     """
 
     set: str
@@ -281,6 +288,8 @@ class CellResult(msgspec.Struct, kw_only=True):
     oracle_hit_rate: float
     summaries: list[PolicySummary]
     prediction: list[tuple[int, float, float]] = msgspec.field(default_factory=list)
+    jitter: list[int] = msgspec.field(default_factory=lambda: [0])
+    runs: list[list[PolicySummary]] = msgspec.field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -326,7 +335,17 @@ def versus_best_peer(cell: CellResult, ours: str = DEFAULT_POLICY) -> dict[str, 
         row[f"{name}_s"] = getattr(mine, attr)
         row[f"{name}_best_peer"] = best.policy
         row[f"{name}_vs_best_peer"] = _ratio(getattr(mine, attr), getattr(best, attr))
+        if cell.runs:
+            row[f"{name}_behind_runs"] = sum(_behind(run, ours, attr) for run in cell.runs)
+    if cell.runs:
+        row["runs"] = len(cell.runs)
     return row
+
+
+def _behind(run: Sequence[PolicySummary], ours: str, attr: str) -> bool:
+    """Whether ``ours`` is above the best peer's ``attr`` in one run."""
+    mine = next(s for s in run if s.policy == ours)
+    return any(getattr(s, attr) < getattr(mine, attr) for s in run if s.policy != ours)
 
 
 def prediction_error(
@@ -381,7 +400,7 @@ def run_suite(
     loads: Sequence[str] = (),
     view_interval_s: float = 0.0,
     seeds: Sequence[int] = (),
-    jitter: int = 0,
+    jitter: Sequence[int] = (0,),
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -399,14 +418,15 @@ def run_suite(
         seeds: Instead of ``sets``, replay these seeds of every selected workload, as
             one set named ``seeds``: traces the stored tables never held, to check that
             a result holds beyond the seeds it was measured on.
-        jitter: Replay every cell's arrivals under this perturbation (``SimConfig.jitter``:
-            each arrival up to 1 ms later); 0 replays them as they are. Running the suite
-            at a few values shows which differences between policies outlast the luck of
-            one trajectory.
+        jitter: Replay every cell's arrivals under each of these perturbations
+            (``SimConfig.jitter``: each arrival up to 1 ms later; 0 replays them as they
+            are). With several, a cell's figures are the medians over its runs and the
+            ratio table says in how many runs ``kv_ttft`` was behind: differences between
+            policies that outlast the luck of one trajectory.
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
-            negative view interval, seed or jitter.
+            negative view interval, seed or jitter, no jitter.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -431,8 +451,11 @@ def run_suite(
         raise ValueError(f"unknown load {', '.join(bad)}; the runs have {have}")
     if not view_interval_s >= 0:
         raise ValueError(f"view interval must be >= 0, got {view_interval_s}")
-    if jitter < 0:
-        raise ValueError(f"jitter must be >= 0, got {jitter}")
+    if bad_jitter := [x for x in jitter if x < 0]:
+        raise ValueError(f"jitter must be >= 0, got {', '.join(map(str, bad_jitter))}")
+    jitters = list(dict.fromkeys(jitter))
+    if not jitters:
+        raise ValueError("no jitter to replay under (0 replays the trace as it is)")
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
@@ -450,10 +473,11 @@ def run_suite(
                 if loads and label not in loads:
                     continue
                 scale = load * capacity / natural
-                replays: dict[str, Future[_Replayed]] = {
-                    p: pool.submit(
-                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, jitter
+                replays: dict[tuple[str, int], Future[_Replayed]] = {
+                    (p, k): pool.submit(
+                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, k
                     )
+                    for k in jitters
                     for p in names
                 }
                 oracle = pool.submit(_oracle, run.case, run.seed, quick, scale)
@@ -462,36 +486,40 @@ def run_suite(
         plotted = _plotted()
         for run, label, load, scale, replays, oracle in pending:
             hit = oracle.result()
-            summaries: list[PolicySummary] = []
+            by_jitter: dict[int, list[PolicySummary]] = {k: [] for k in jitters}
             prediction: list[tuple[int, float, float]] = []
             ttfts: dict[str, list[float]] = {}
-            for policy, future in replays.items():
+            for (policy, k), future in replays.items():
                 records, busy_s = future.result()
                 s = summarize(policy, records, busy_s)
                 ratio = s.hit_rate / hit if hit > 0 else None
                 s = msgspec.structs.replace(s, oracle_hit_rate=hit, hit_vs_oracle=ratio)
-                summaries.append(s)
-                if policy == DEFAULT_POLICY:
+                by_jitter[k].append(s)
+                first = k == jitters[0]
+                if policy == DEFAULT_POLICY and first:
                     prediction = [
                         (r.prompt_tokens, r.predicted_ttft_s, r.ttft_s)
                         for r in records
                         if r.predicted_ttft_s is not None and r.ttft_s is not None
                     ]
-                if plots and plotted.get(run.case) == run.seed and run.set == "report":
+                if first and plots and plotted.get(run.case) == run.seed and run.set == "report":
                     ttfts[policy] = [t for r in records if (t := r.ttft_s) is not None]
                 progress.advance(task)
+            per_run = list(by_jitter.values())
+            summaries = [median_summary([r[i] for r in per_run]) for i in range(len(names))]
             capacity, _ = run.capacity.result()
             cell = CellResult(
                 set=run.set, case=run.case, seed=run.seed, load_label=label, load=load,
                 capacity_rps=capacity, time_scale=scale, oracle_hit_rate=hit,
-                summaries=summaries, prediction=prediction,
+                summaries=summaries, prediction=prediction, jitter=jitters,
+                runs=per_run if len(per_run) > 1 else [],
             )  # fmt: skip
             cells.append(cell)
             if ttfts:
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json", view_interval_s, jitter)
+    _write(cells, out_dir / "suite.json", view_interval_s, jitters)
     return cells
 
 
@@ -501,6 +529,8 @@ def _print(cells: Sequence[CellResult], console: Console, seconds: float) -> Non
             f"{cell.set} set, {cell.label}: {cell.load:.0%} of {cell.capacity_rps:.2f} req/s, "
             f"oracle hit {cell.oracle_hit_rate:.1%}, ms for latencies"
         )
+        if cell.runs:
+            title += f", medians of {len(cell.runs)} runs (jitter {_ranges(cell.jitter)})"
         render_table(cell.summaries, console, title=title)
     for name in dict.fromkeys(c.set for c in cells):
         rows = [versus_best_peer(c) for c in cells if c.set == name]
@@ -514,23 +544,31 @@ def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console
     table = Table(title=f"{name} set: {DEFAULT_POLICY} / best peer at each percentile")
     for col in ("cell", "peers busy", "p50", "p90", "p99", "mean", "hit/oracle", "preempt."):
         table.add_column(col, justify="left" if col == "cell" else "right")
-    worse = 0
+    worse = always = 0
     for row in rows:
         ratios = [float(row[f"{p}_vs_best_peer"]) for p, _ in PERCENTILES]  # type: ignore[arg-type]
         worse += any(r > 1.0 for r in ratios[:3])
+        runs = row.get("runs")
+        behind = [f" {row[f'{p}_behind_runs']}/{runs}" if runs else "" for p, _ in PERCENTILES]
+        always += bool(runs) and any(row[f"{p}_behind_runs"] == runs for p, _ in PERCENTILES[:3])
         table.add_row(
             str(row["cell"]),
             f"{row['busy_peers']:.1%}",
             *(
-                f"{r:.2f} {row[f'{p}_best_peer']}"[:24]
-                for r, (p, _) in zip(ratios, PERCENTILES, strict=True)
+                f"{r:.2f} {row[f'{p}_best_peer']}"[:24] + b
+                for r, (p, _), b in zip(ratios, PERCENTILES, behind, strict=True)
             ),
             f"{row['hit_vs_oracle']:.3f}",
             f"{row['preemptions']} / {row['preemptions_best_peer']}",
         )
     console.print(table)
-    console.print(f"{name} set: cells where {DEFAULT_POLICY} is behind a peer at p50, p90 or p99: "
-                  f"{worse} of {len(rows)}")  # fmt: skip
+    several = any(row.get("runs") for row in rows)
+    on = " on the medians" if several else ""
+    console.print(f"{name} set: cells where {DEFAULT_POLICY} is behind a peer at p50, p90 or p99"
+                  f"{on}: {worse} of {len(rows)}")  # fmt: skip
+    if several:
+        console.print(f"{name} set: cells where it is behind at one of them in every run: "
+                      f"{always} of {len(rows)} (n/m: behind in n of m runs)")  # fmt: skip
 
 
 def _print_prediction(name: str, rows: Sequence[dict[str, float]], console: Console) -> None:
@@ -560,8 +598,43 @@ def _plotted() -> dict[str, int]:
     return first
 
 
+def _ranges(values: Sequence[int]) -> str:
+    """``0-4,7``: sorted integers with runs of consecutive ones shortened."""
+    out: list[str] = []
+    for v in sorted(values):
+        if out and (lo_hi := out[-1].split("-")) and int(lo_hi[-1]) == v - 1:
+            out[-1] = f"{lo_hi[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ",".join(out)
+
+
+def parse_jitter(spec: str) -> list[int]:
+    """``"0-4"``, ``"3"`` or ``"0,2,5-6"``: the perturbations to replay under.
+
+    Raises:
+        ValueError: Not integers and ranges, a range that runs backwards, or none.
+    """
+    out: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(
+                f"jitter is k, a range a-b or a comma list of them; got {spec!r}"
+            ) from None
+        if b < a:
+            raise ValueError(f"jitter range {part!r} runs backwards")
+        out.extend(range(a, b + 1))
+    return list(dict.fromkeys(out))
+
+
 def _write(
-    cells: Sequence[CellResult], path: Path, view_interval_s: float = 0.0, jitter: int = 0
+    cells: Sequence[CellResult],
+    path: Path,
+    view_interval_s: float = 0.0,
+    jitter: Sequence[int] = (0,),
 ) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
@@ -572,8 +645,9 @@ def _write(
         "cells": [msgspec.structs.replace(c, prediction=[]) for c in cells],
         "config": {
             name: config_dict(
-                dataclasses.replace(case.config(0), view_interval_s=view_interval_s, jitter=jitter)
+                dataclasses.replace(case.config(0), view_interval_s=view_interval_s, jitter=0)
             )
+            | {"jitter": list(jitter)}
             for name, case in CASES.items()
         },
     }

@@ -13,7 +13,9 @@ from rich.console import Console
 from kvrouter.bench.oracle import OracleBound
 from kvrouter.bench.report import (
     BenchReport,
+    PolicySummary,
     RequestRecord,
+    median_summary,
     plot_hit_rates,
     plot_ttft_cdf,
     render_table,
@@ -141,3 +143,40 @@ def test_plots_are_written_as_png(tmp_path: Path) -> None:
         data = path.read_bytes()
         assert data[:8] == PNG
         assert len(data) > 5000
+
+
+def _run(
+    policy: str, p90: float, preemptions: int, hbm: float, busy: dict[str, float]
+) -> PolicySummary:
+    return PolicySummary(
+        policy=policy, requests=10, completed=10, ttft_mean_s=p90 / 2, ttft_p50_s=p90 / 4,
+        ttft_p90_s=p90, ttft_p99_s=2 * p90, tpot_mean_s=0.01, tpot_p90_s=0.02,
+        makespan_s=5.0, throughput_rps=2.0, output_tps=40.0, hit_rate=0.5,
+        hit_rate_by_medium={"hbm": hbm}, load_cv=0.1, busy_s=busy, preemptions=preemptions,
+        oracle_hit_rate=0.6, hit_vs_oracle=0.5 / 0.6,
+    )  # fmt: skip
+
+
+def test_a_median_summary_is_each_fields_median_over_the_runs() -> None:
+    # One unlucky run (p90 9 s, 40 preemptions) moves neither the median p90 nor the count.
+    runs = [
+        _run("kv_ttft", 0.30, 2, 0.40, {"w0": 1.0, "w1": 3.0}),
+        _run("kv_ttft", 9.00, 40, 0.10, {"w0": 2.0}),
+        _run("kv_ttft", 0.20, 3, 0.30, {"w0": 5.0, "w1": 1.0}),
+        _run("kv_ttft", 0.25, 1, 0.20, {"w0": 4.0, "w1": 2.0}),
+    ]
+    m = median_summary(runs)
+    assert m.policy == "kv_ttft"
+    assert m.ttft_p90_s == pytest.approx(0.275)
+    assert m.ttft_p99_s == pytest.approx(0.55)
+    assert m.preemptions == 2  # the low median: a count one run had
+    assert isinstance(m.preemptions, int)
+    assert m.hit_rate_by_medium == {"hbm": pytest.approx(0.25)}
+    assert m.busy_s == {"w0": 3.0, "w1": 1.5}  # a worker missing from a run counts 0 there
+    assert m.oracle_hit_rate == 0.6
+    assert m.hit_vs_oracle == pytest.approx(0.5 / 0.6)
+    assert median_summary(runs[:1]) == runs[0]
+    with pytest.raises(ValueError, match="no runs"):
+        median_summary([])
+    with pytest.raises(ValueError, match="several policies"):
+        median_summary([runs[0], _run("round_robin", 0.3, 0, 0.1, {})])

@@ -13,6 +13,7 @@ from kvrouter.bench.suite import (
     CASES,
     SETS,
     CellResult,
+    parse_jitter,
     prediction_error,
     run_suite,
     versus_best_peer,
@@ -144,13 +145,14 @@ def test_the_suite_replays_cells_under_an_arrival_perturbation(tmp_path: Path) -
     def replay(out: Path, jitter: int) -> list[CellResult]:
         return run_suite(
             out, console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
-            plots=False, loads=["load90"], jitter=jitter,
+            plots=False, loads=["load90"], jitter=[jitter],
         )  # fmt: skip
 
     plain, nudged = replay(tmp_path / "plain", 0), replay(tmp_path, 3)
     assert [c.label for c in nudged] == [c.label for c in plain]
     for a, b in zip(plain, nudged, strict=True):
         assert [s.requests for s in a.summaries] == [s.requests for s in b.summaries]
+        assert (a.jitter, b.jitter, a.runs, b.runs) == ([0], [3], [], [])
     means = {
         (c.seed, p, run): c.summary(p).ttft_mean_s
         for run, cells in (("plain", plain), ("nudged", nudged))
@@ -159,8 +161,58 @@ def test_the_suite_replays_cells_under_an_arrival_perturbation(tmp_path: Path) -
     }
     assert any(means[(1, p, "plain")] != means[(1, p, "nudged")] for p in policy_names())
     written = json.loads((tmp_path / "suite.json").read_text())
-    assert written["config"]["groups"]["jitter"] == 3
+    assert written["config"]["groups"]["jitter"] == [3]
+    with pytest.raises(ValueError, match="jitter must be >= 0"):
+        run_suite(tmp_path, console=console, quick=True, only=["groups"], jitter=[0, -1])
+    with pytest.raises(ValueError, match="no jitter"):
+        run_suite(tmp_path, console=console, quick=True, only=["groups"], jitter=[])
     out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
-    negative = CliRunner().invoke(app, [*out, "--jitter=-1"])
-    assert negative.exit_code != 0
-    assert "jitter must be >= 0" in negative.output
+    for bad, says in (("-1", "jitter is k, a range"), ("4-2", "runs backwards")):
+        refused = CliRunner().invoke(app, [*out, f"--jitter={bad}"])
+        assert refused.exit_code != 0
+        assert says in refused.output
+
+
+def test_several_perturbations_give_medians_and_how_often_each_gap_held(tmp_path: Path) -> None:
+    # One cell replayed under k = 0, 1, 2: each run is kept, the cell's figures are the
+    # medians over them, and the ratio row counts the runs where kv_ttft was behind.
+    console = Console(width=240, record=True)
+    args = {"console": console, "quick": True, "sets": ["tune"], "only": ["groups"],
+            "jobs": 2, "plots": False, "loads": ["load90"]}  # fmt: skip
+    single = run_suite(tmp_path / "single", jitter=[0], **args)  # type: ignore[arg-type]
+    cells = run_suite(tmp_path, jitter=[0, 1, 2, 1], **args)  # type: ignore[arg-type]
+    assert len(cells) == len(single) == 1
+    for cell, alone in zip(cells, single, strict=True):
+        assert cell.jitter == [0, 1, 2]
+        assert len(cell.runs) == 3
+        assert cell.runs[0] == alone.summaries  # k = 0 is the plain replay, unchanged
+        assert cell.prediction == alone.prediction
+        for p in policy_names():
+            p90s = sorted(next(s for s in run if s.policy == p).ttft_p90_s for run in cell.runs)
+            assert cell.summary(p).ttft_p90_s == p90s[1]
+        row = versus_best_peer(cell)
+        assert row["runs"] == 3
+        for name, attr in (("p50", "ttft_p50_s"), ("p90", "ttft_p90_s"), ("p99", "ttft_p99_s")):
+            behind = 0
+            for run in cell.runs:
+                ours = next(s for s in run if s.policy == DEFAULT_POLICY)
+                best = min(getattr(s, attr) for s in run if s.policy != DEFAULT_POLICY)
+                behind += getattr(ours, attr) > best
+            assert row[f"{name}_behind_runs"] == behind
+        assert cell.runs[1] != cell.runs[0]  # another trajectory, not a copy
+    text = console.export_text()
+    assert "medians of 3 runs (jitter 0-2)" in text
+    assert "behind at one of them in every run" in text
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert written["config"]["groups"]["jitter"] == [0, 1, 2]
+    assert [len(c["runs"]) for c in written["cells"]] == [3]
+    assert all("p90_behind_runs" in r for r in written["rows"])
+
+
+def test_jitter_specs_name_perturbations() -> None:
+    assert parse_jitter("3") == [3]
+    assert parse_jitter("0-4") == [0, 1, 2, 3, 4]
+    assert parse_jitter("0,2,5-6,2") == [0, 2, 5, 6]
+    for bad in ("", "x", "1-", "-1", "3-1", "0,,1"):
+        with pytest.raises(ValueError, match="jitter"):
+            parse_jitter(bad)
