@@ -331,21 +331,24 @@ def versus_best_peer(cell: CellResult, ours: str = DEFAULT_POLICY) -> dict[str, 
         "preemptions_best_peer": min((s.preemptions for s in peers), default=0),
     }
     for name, attr in PERCENTILES:
-        best = min(peers, key=lambda s, a=attr: getattr(s, a))  # type: ignore[misc]
+        best, ratio = _versus(cell.summaries, ours, attr)
         row[f"{name}_s"] = getattr(mine, attr)
         row[f"{name}_best_peer"] = best.policy
-        row[f"{name}_vs_best_peer"] = _ratio(getattr(mine, attr), getattr(best, attr))
+        row[f"{name}_vs_best_peer"] = ratio
         if cell.runs:
-            row[f"{name}_behind_runs"] = sum(_behind(run, ours, attr) for run in cell.runs)
+            row[f"{name}_behind_runs"] = sum(_versus(r, ours, attr)[1] > 1.0 for r in cell.runs)
     if cell.runs:
         row["runs"] = len(cell.runs)
     return row
 
 
-def _behind(run: Sequence[PolicySummary], ours: str, attr: str) -> bool:
-    """Whether ``ours`` is above the best peer's ``attr`` in one run."""
-    mine = next(s for s in run if s.policy == ours)
-    return any(getattr(s, attr) < getattr(mine, attr) for s in run if s.policy != ours)
+def _versus(
+    summaries: Sequence[PolicySummary], ours: str, attr: str
+) -> tuple[PolicySummary, float]:
+    """The peer best at ``attr`` among ``summaries``, and ``ours`` / that peer."""
+    mine = next(s for s in summaries if s.policy == ours)
+    best = min((s for s in summaries if s.policy != ours), key=lambda s: getattr(s, attr))
+    return best, _ratio(getattr(mine, attr), getattr(best, attr))
 
 
 def prediction_error(
@@ -600,13 +603,13 @@ def _plotted() -> dict[str, int]:
 
 def _ranges(values: Sequence[int]) -> str:
     """``0-4,7``: sorted integers with runs of consecutive ones shortened."""
-    out: list[str] = []
+    spans: list[list[int]] = []
     for v in sorted(values):
-        if out and (lo_hi := out[-1].split("-")) and int(lo_hi[-1]) == v - 1:
-            out[-1] = f"{lo_hi[0]}-{v}"
+        if spans and spans[-1][1] == v - 1:
+            spans[-1][1] = v
         else:
-            out.append(str(v))
-    return ",".join(out)
+            spans.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def parse_jitter(spec: str) -> list[int]:
