@@ -25,7 +25,9 @@ from indexer.views import PrefixMatch, WorkerView
 
 __all__ = [
     "DEFAULT_TRANSFER_BANDWIDTH",
+    "blocks_load_seconds",
     "decode_batch",
+    "displacement_seconds",
     "hbm_room_blocks",
     "load_seconds",
     "memory_wait_seconds",
@@ -237,7 +239,7 @@ def load_seconds(
     """
     if match is None:
         return 0.0
-    return _blocks_load_seconds(
+    return blocks_load_seconds(
         view, profile, {m: match.on(m) for m in (Medium.DRAM, Medium.SSD)}, block_size
     )
 
@@ -252,15 +254,45 @@ def queued_load_seconds(view: WorkerView, profile: TimingProfile) -> float:
     """
     if not view.queued_load_blocks:
         return 0.0
-    return _blocks_load_seconds(view, profile, view.queued_load_blocks, view.block_size)
+    return blocks_load_seconds(view, profile, view.queued_load_blocks, view.block_size)
 
 
-def _blocks_load_seconds(
+def blocks_load_seconds(
     view: WorkerView, profile: TimingProfile, blocks: Mapping[Medium, int], block_size: int
 ) -> float:
+    """Time to bring ``blocks`` (per medium) into HBM at the worker's bandwidths."""
     total = 0.0
     for medium, n in blocks.items():
         bandwidth = view.bandwidth(medium) or profile.load_bandwidth.get(medium)
         if n > 0 and bandwidth:
             total += n * block_size * profile.kv_bytes_per_token / bandwidth
     return total
+
+
+def displacement_seconds(
+    view: WorkerView,
+    profile: TimingProfile,
+    added_blocks: int,
+    live_blocks: int,
+    block_size: int,
+    mean_output_tokens: float,
+) -> float:
+    """Reload time of the live cached blocks that ``added_blocks`` new HBM blocks evict.
+
+    A request brings blocks into the worker's HBM (those it computes, pulls from a peer
+    or loads from DRAM and SSD). They take the room admitted work leaves
+    (``hbm_room_blocks``, where cached free blocks count as room); the live cached
+    blocks (``live_blocks``: other requests will come back for them,
+    ``policies.live_cache``) fill that room first, so whatever the request adds beyond
+    the rest evicts live blocks, at most all of them, to DRAM, and each costs a DRAM
+    load to the request that comes back for it. 0.0 when nothing live is evicted, or
+    when the view does not publish its active blocks.
+    """
+    if added_blocks <= 0 or live_blocks <= 0:
+        return 0.0
+    room = hbm_room_blocks(view, block_size, mean_output_tokens)
+    if room is None:
+        return 0.0
+    spare = max(room - live_blocks, 0.0)
+    evicted = min(max(added_blocks - spare, 0.0), live_blocks)
+    return blocks_load_seconds(view, profile, {Medium.DRAM: math.ceil(evicted)}, block_size)

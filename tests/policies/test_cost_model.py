@@ -7,6 +7,7 @@ import pytest
 from indexer.media import Medium
 from policies.cost_model import (
     decode_batch,
+    displacement_seconds,
     hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
@@ -145,3 +146,22 @@ def test_prefill_context_is_what_a_worker_publishes_for_the_prompts_it_queued() 
     # Out-of-range counts are clamped, never negative work.
     assert prefill_context(10, 50) == prefill_context(10, 10)
     assert prefill_context(10, -3) == 0
+
+
+def test_new_blocks_evict_live_cached_blocks_only_beyond_the_spare_room() -> None:
+    # 10,000 blocks, 6,000 held by 10 running requests that will grow by 50 blocks in all:
+    # 3,950 blocks of room, 3,700 of them holding blocks other requests come back for.
+    w = view("w", running=10, active=6_000, running_kv=96_000)
+    one_block = BLOCK * PROFILE.kv_bytes_per_token / PROFILE.load_bandwidth[Medium.DRAM]
+
+    def displaced(added: int, live: int = 3_700) -> float:
+        return displacement_seconds(w, PROFILE, added, live, BLOCK, 160.0)
+
+    assert displaced(250) == 0.0  # fits in the 250 spare blocks
+    assert displaced(400) == pytest.approx(150 * one_block)  # 150 live blocks go to DRAM
+    assert displaced(400, live=0) == 0.0  # a dead cache costs nothing to evict
+    assert displaced(20_000, live=100) == pytest.approx(100 * one_block)  # at most all
+    assert displaced(0) == 0.0
+    # An older worker that does not publish its active blocks: no estimate.
+    unknown = view("w", running=10, running_kv=96_000)
+    assert displacement_seconds(unknown, PROFILE, 20_000, 3_700, BLOCK, 160.0) == 0.0

@@ -221,6 +221,8 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(residency_tie_s=-0.1)
     with pytest.raises(ValueError, match="residency_tau_s"):
         KvTtftPolicy(residency_tau_s=0)
+    with pytest.raises(ValueError, match="live_window_s"):
+        KvTtftPolicy(live_window_s=-1)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
@@ -599,3 +601,70 @@ def test_a_queue_that_loads_a_long_prefix_from_dram_is_slower_than_its_tokens_sa
     # Without the load (an older worker that does not publish it) the choice flips.
     unseen = replace(loading, queued_load_blocks={})
     assert KvTtftPolicy().choose(request(prompt), [unseen, computing], {}).worker == "loading"
+
+
+def _live_groups(policy: KvTtftPolicy) -> list[list[int]]:
+    """Three 4K-token group prompts, each reused on w0 (which holds it) at 0 s."""
+    groups = [tokens(4096, seed=600 + i) for i in range(3)]
+    for prompt in groups:
+        held = {"w0": match("w0", hbm=len(prompt) // BLOCK)}
+        assert policy.choose(request(prompt), [view("w0")], held).worker == "w0"
+    return groups
+
+
+def test_a_new_prompt_goes_where_it_evicts_no_live_cache() -> None:
+    # Two idle workers of 800 HBM blocks each. Three 4K-token group prompts (256 blocks
+    # each) were reused on w0 within the minute: 768 live blocks, 32 to spare. A new
+    # group's 4K-token prompt would evict 224 of them on w0, and each of those groups'
+    # next request would reload them from DRAM; w1's cache is dead. Without the live
+    # cache the two predictions tie and the host name sends it to w0.
+    cold = request(tokens(4096, seed=610), now=30.0)
+    workers = [view("w0", hbm_capacity=800), view("w1", hbm_capacity=800)]
+    policy, blind = KvTtftPolicy(), KvTtftPolicy(live_window_s=0)
+    _live_groups(policy)
+    _live_groups(blind)
+
+    decision = policy.choose(cold, workers, {})
+
+    assert decision.scores["w0"]["live_blocks"] == 768
+    assert decision.scores["w0"]["displace_s"] == pytest.approx(dram_load(224))
+    assert decision.scores["w1"]["displace_s"] == 0.0
+    assert decision.scores["w0"]["ttft_s"] == decision.scores["w1"]["ttft_s"]
+    assert decision.worker == "w1"
+    assert blind.choose(cold, workers, {}).worker == "w0"
+
+
+def test_a_cache_nobody_came_back_for_within_the_window_is_dead() -> None:
+    workers = [view("w0", hbm_capacity=800), view("w1", hbm_capacity=800)]
+    policy = KvTtftPolicy(live_window_s=60.0)
+    _live_groups(policy)
+
+    decision = policy.choose(request(tokens(4096, seed=610), now=61.0), workers, {})
+
+    assert decision.scores["w0"]["live_blocks"] == 0
+    assert decision.worker == "w0"
+
+
+def test_a_request_is_not_charged_for_evicting_its_own_prefix() -> None:
+    # The same w0 as above: a group's next request reuses its 256 live blocks and adds
+    # one; the other two groups' 512 live blocks leave 288 spare, so it evicts nothing.
+    policy = KvTtftPolicy()
+    groups = _live_groups(policy)
+    follow = request(groups[0] + tokens(16, seed=620), now=30.0)
+    workers = [view("w0", hbm_capacity=800), view("w1", hbm_capacity=800)]
+
+    decision = policy.choose(follow, workers, {"w0": match("w0", hbm=256)})
+
+    assert decision.scores["w0"]["displace_s"] == 0.0
+    assert decision.worker == "w0"
+
+
+def test_a_restarted_worker_has_no_live_cache_to_protect() -> None:
+    policy = KvTtftPolicy()
+    _live_groups(policy)
+    restarted = replace(view("w0", hbm_capacity=800), epoch=1)
+
+    decision = policy.choose(request(tokens(4096, seed=610), now=30.0), [restarted], {})
+
+    assert decision.scores["w0"]["live_blocks"] == 0
+    assert decision.scores["w0"]["displace_s"] == 0.0
