@@ -112,6 +112,7 @@ the burst spreads once queueing costs more than recomputing the prefix.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 
 from indexer.media import Medium
@@ -257,6 +258,7 @@ class KvTtftPolicy:
         self._expire_landings(now)
         stretch = 1.0 / max(1.0 - self._busy, 0.1) if self.busy_period else 1.0
         keys = request.block_keys
+        holders = self._holders(keys, matches) if self.pooling else []
         scores: dict[str, dict[str, float]] = {}
         rank: dict[str, tuple[float, int, str]] = {}
         blocks: dict[str, tuple[int, int, int]] = {}
@@ -272,7 +274,7 @@ class KvTtftPolicy:
             output = view.mean_output_tokens or request.max_tokens or self.mean_output_tokens
             pulled = 0
             if self.pooling:
-                source, source_blocks = self._peer(view.host, keys, matches)
+                source, source_blocks = self._peer(view.host, holders)
                 if source_blocks > matched:
                     pulled = source_blocks - matched
                     # Pulled blocks land as cached blocks: those beyond the room admitted
@@ -428,17 +430,21 @@ class KvTtftPolicy:
                 del self._landing[host]
 
     @staticmethod
-    def _peer(
-        host: str, keys: Sequence[int], matches: Mapping[str, PrefixMatch]
-    ) -> tuple[str, int]:
-        """The other worker indexed as holding the longest prefix of ``keys``, and its blocks.
+    def _holders(keys: Sequence[int], matches: Mapping[str, PrefixMatch]) -> list[tuple[str, int]]:
+        """The two workers indexed as holding the longest prefixes of ``keys``, and their
+        blocks, longest first (then by host name): each candidate's best peer is one of them.
 
-        Only its HBM and DRAM blocks count: a peer serves SSD blocks too, but reading them
-        is slower than the network, so they are left to recompute.
+        Only HBM and DRAM blocks count: a peer serves SSD blocks too, but reading them is
+        slower than the network, so they are left to recompute.
         """
-        best, most = "", 0
+        held = []
         for peer, m in matches.items():
             n = min(m.on(Medium.HBM) + m.on(Medium.DRAM), m.blocks, len(keys))
-            if peer != host and (n > most or (n == most and peer < best)):
-                best, most = peer, n
-        return best, most
+            if n > 0:
+                held.append((-n, peer))
+        return [(peer, -negative) for negative, peer in heapq.nsmallest(2, held)]
+
+    @staticmethod
+    def _peer(host: str, holders: Sequence[tuple[str, int]]) -> tuple[str, int]:
+        """The worker other than ``host`` holding the longest prefix, and its blocks."""
+        return next(((peer, n) for peer, n in holders if peer != host), ("", 0))
