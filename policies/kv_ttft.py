@@ -256,6 +256,8 @@ class KvTtftPolicy:
         )
         self._busy += 0.02 * (busy_now - self._busy)
         self._expire_landings(now)
+        if self.live is not None:
+            self.live.expire(now)
         stretch = 1.0 / max(1.0 - self._busy, 0.1) if self.busy_period else 1.0
         keys = request.block_keys
         holders = self._holders(keys, matches) if self.pooling else []

@@ -66,6 +66,18 @@ class LiveCache:
             del seen[oldest]
         return len(seen)
 
+    def hosts(self) -> set[str]:
+        """The hosts with blocks on record (live, or not yet found expired)."""
+        return set(self._seen)
+
+    def expire(self, now: float) -> None:
+        """Forget every block past the window, and hosts left with none (a worker that
+        left the cluster is never counted again, so only this frees what it held)."""
+        for host in list(self._seen):
+            if not self.count(host, now, self._epoch.get(host, 0)):
+                del self._seen[host]
+                self._epoch.pop(host, None)
+
     def _restarted(self, host: str, epoch: int) -> None:
         """Forget ``host``'s live blocks when its epoch changed: its cache started empty."""
         if self._epoch.setdefault(host, epoch) != epoch:

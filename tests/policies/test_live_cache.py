@@ -47,6 +47,21 @@ def test_a_restarted_worker_has_nothing_live() -> None:
     assert live.count("w0", now=3.0, epoch=2) == 1
 
 
+def test_a_worker_that_left_is_forgotten_once_its_blocks_expire() -> None:
+    live = LiveCache(window_s=10.0)
+    live.touch("gone", list(range(1_000)), now=0.0, epoch=3)
+    live.touch("w0", [1], now=5.0)
+
+    live.expire(now=9.0)
+    assert live.hosts() == {"gone", "w0"}
+    live.expire(now=12.0)  # "gone" reused nothing since 0 s; w0 did at 5 s
+    assert live.hosts() == {"w0"}
+    assert live.count("w0", now=12.0) == 1
+    # Back under the same name after a restart: a fresh start, not the old epoch's blocks.
+    live.touch("gone", [5], now=13.0, epoch=4)
+    assert live.count("gone", now=13.0, epoch=4) == 1
+
+
 @pytest.mark.parametrize("window", [0.0, -1.0, float("nan")])
 def test_a_window_that_is_not_positive_is_refused(window: float) -> None:
     with pytest.raises(ValueError, match="window_s"):
