@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,12 +79,17 @@ def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Clust
             return any(v.host == holder and v.queued_prefill_tokens > 3000 for v in views)
 
         wait_until(queued, 20.0)
+        # Redis shows the queue; the test cluster's gateway reads heartbeats every 0.1 s.
+        # Give it ten to see the queue too (which lasts seconds at this time scale): routed
+        # before that, the request finds the holder idle and stays with its prefix.
+        time.sleep(1.0)
+        assert queued(), "the holder's queue drained before the gateway could see it"
         received = metric(cluster.workers[other], "kvworker_kv_transfer_blocks_total",
                           'direction="received"')  # fmt: skip
         r = complete(cluster.gateway, [*PREFIX, 4, 5, 6], DEBUG)
         assert r.status_code == 200, r.text
         decision = json.loads(r.headers["x-kvrouter-decision"])
-        assert r.headers["x-kvrouter-worker"] == other
+        assert r.headers["x-kvrouter-worker"] == other, decision["scores"]
         assert decision["kv_source"] == holder
         assert decision["scores"][other]["pulled_blocks"] == len(keys)
         usage = r.json()["usage"]
