@@ -647,10 +647,11 @@ def test_a_cache_nobody_came_back_for_within_the_window_is_dead() -> None:
 
 def test_a_request_is_not_charged_for_evicting_its_own_prefix() -> None:
     # The same w0 as above: a group's next request reuses its 256 live blocks and adds
-    # one; the other two groups' 512 live blocks leave 288 spare, so it evicts nothing.
+    # 100; the other two groups' 512 live blocks leave 288 spare, so it evicts nothing
+    # (counted as someone else's, its own 256 would leave 32 and 68 would go).
     policy = KvTtftPolicy()
     groups = _live_groups(policy)
-    follow = request(groups[0] + tokens(16, seed=620), now=30.0)
+    follow = request(groups[0] + tokens(1_600, seed=620), now=30.0)
     workers = [view("w0", hbm_capacity=800), view("w1", hbm_capacity=800)]
 
     decision = policy.choose(follow, workers, {"w0": match("w0", hbm=256)})
