@@ -295,9 +295,9 @@ class KvTtftPolicy:
             queue += queued_load_seconds(view, profile)
             # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
             # request holds them: the router's annotation), leave the room it is priced on.
+            lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0
             taken = 0
             if match is not None:
-                lower = match.on(Medium.DRAM) + match.on(Medium.SSD)
                 taken = min(lower + (match.idle_hbm or 0), matched)
             memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
             wait = max(queue, memory)
@@ -327,7 +327,6 @@ class KvTtftPolicy:
             live = 0
             if self.live is not None:
                 live = self.live.count(view.host, now, view.epoch)
-                lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0
                 added = -(-new // request.block_size) + pulled + min(lower, matched)
                 displace = displacement_seconds(
                     view, profile, added, max(live - matched, 0), request.block_size, output

@@ -34,10 +34,9 @@ class LiveCache:
     """Blocks reused on each host within the last ``window_s`` seconds."""
 
     window_s: float = 60.0
-    # Per host: block key -> when it was last reused, oldest first (a reuse moves the
-    # key to the end), so expiry pops from the front.
-    _seen: dict[str, dict[int, float]] = field(default_factory=dict)
-    _epoch: dict[str, int] = field(default_factory=dict)
+    # Per host: the epoch its blocks belong to, and block key -> when it was last reused,
+    # oldest first (a reuse moves the key to the end), so expiry pops from the front.
+    _hosts: dict[str, tuple[int, dict[int, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -45,18 +44,19 @@ class LiveCache:
 
     def touch(self, host: str, keys: Sequence[int], now: float, epoch: int = 0) -> None:
         """Record that a request routed to ``host`` at ``now`` reuses ``keys`` there."""
-        self._restarted(host, epoch)
         if not keys:
             return
-        seen = self._seen.setdefault(host, {})
+        seen = self._blocks(host, epoch)
+        if seen is None:
+            seen = {}
+            self._hosts[host] = (epoch, seen)
         for key in keys:
             seen[key] = max(now, seen.pop(key, now))
 
     def count(self, host: str, now: float, epoch: int = 0) -> int:
         """Distinct blocks reused on ``host`` (in ``epoch``) within the window before ``now``."""
-        self._restarted(host, epoch)
-        seen = self._seen.get(host)
-        if not seen:
+        seen = self._blocks(host, epoch)
+        if seen is None:
             return 0
         horizon = now - self.window_s
         while seen:
@@ -68,18 +68,22 @@ class LiveCache:
 
     def hosts(self) -> set[str]:
         """The hosts with blocks on record (live, or not yet found expired)."""
-        return set(self._seen)
+        return set(self._hosts)
 
     def expire(self, now: float) -> None:
         """Forget every block past the window, and hosts left with none (a worker that
         left the cluster is never counted again, so only this frees what it held)."""
-        for host in list(self._seen):
-            if not self.count(host, now, self._epoch.get(host, 0)):
-                del self._seen[host]
-                self._epoch.pop(host, None)
+        for host, (epoch, _) in list(self._hosts.items()):
+            if not self.count(host, now, epoch):
+                del self._hosts[host]
 
-    def _restarted(self, host: str, epoch: int) -> None:
-        """Forget ``host``'s live blocks when its epoch changed: its cache started empty."""
-        if self._epoch.setdefault(host, epoch) != epoch:
-            self._epoch[host] = epoch
-            self._seen.pop(host, None)
+    def _blocks(self, host: str, epoch: int) -> dict[int, float] | None:
+        """``host``'s blocks, None when it has none or restarted (a new epoch starts with
+        an empty cache, so the old epoch's blocks are dropped)."""
+        entry = self._hosts.get(host)
+        if entry is None:
+            return None
+        if entry[0] != epoch:
+            del self._hosts[host]
+            return None
+        return entry[1]
