@@ -86,11 +86,29 @@ term vanishes. On the bench suite it brought ``groups`` p90 closer to
 SGLang's and left the production-shaped cells within their run-to-run
 spread (docs/benchmarks.md, "2026-12-04 (sixth)").
 
-A prompt cached nowhere (a new system prompt, document or session), or
-only on workers too busy to wait for, has no cache to follow: the
-candidates' predictions differ by their queues only, and where its blocks
-land they stay. With ``residency_tie_s`` > 0, among the candidates within
-that many seconds of the best score it goes to the one that received the
+A prompt no worker holds half of (a new system prompt, document, session
+or agent context; half is SGLang's cache threshold) makes a home where it
+lands: whatever comes back for it comes back to that worker, so a worker's
+homes are the load it will carry later, which no view shows. Placed by the
+queues of the moment, a burst of new prompts piles onto whichever worker
+is marginally ahead (on the bench suite's ``groups``, homes ended 6/6/9/11
+where SGLang's smallest-tree rule made 8/8/8/8, and the crowded workers then
+pulled their traffic elsewhere). The policy remembers the homes it made and
+which were returned to within ``home_window_s`` (``policies.homes``), and
+learns how likely a new prompt is to come back (taken as certain until
+homes wait unreturned). Among the candidates within the prediction's own
+error of the best score, the home goes to the worker expected to get the
+fewest returns: its returned homes, plus its pending ones weighed by the
+probability. The error is taken as ``home_band`` of the best candidate's
+predicted wait plus ``home_band_s``, scaled by the probability: the wait is
+where predictions err, while a prompt nobody holds computes the same on
+every worker, so a long document is not sent behind a longer queue for
+balance. Traffic whose new prompts never come back closes the band within
+a window, and the score alone decides again.
+
+With ``residency_tie_s`` > 0, a prompt the best candidate holds none of
+goes, among the candidates within that many seconds of the best score, to
+the one that received the
 fewest new blocks lately (computed or pulled, decayed over a minute), as
 SGLang's cache-aware router sends a prompt it matches nowhere to the worker
 with the smallest tree, so new prefixes spread evenly instead of piling
@@ -133,6 +151,7 @@ from policies.cost_model import (
     resolve_profile,
     split_prompt,
 )
+from policies.homes import HomeDemand
 from policies.live_cache import LiveCache
 from policies.speculation import Speculation
 
@@ -174,6 +193,7 @@ class KvTtftPolicy:
             that received the fewest new blocks lately among those scoring within this
             many seconds of the best (0, the default, turns it off; see the module
             docstring). 5 ms is the prediction's median absolute error on the suite.
+            The homes' balance below supersedes it.
         residency_tau_s: Time constant of "lately" for ``residency_tie_s``.
         live_window_s: A block its requests reused on a worker stays live there this
             long after the last reuse, and evicting it costs its reload (see the module
@@ -181,6 +201,17 @@ class KvTtftPolicy:
             reuse distances of the suite's workloads (agent steps, group requests,
             conversation turns: think times of ~7 s median, 43 s p99, per Alibaba's
             ATC'25 chatbot traces).
+        home_window_s: A home (where a prompt nobody held was placed) is forgotten
+            this long after its last return, or after it was placed if nothing came
+            back, which counts against the return probability; 0 turns the homes'
+            balance off. 60 s, as ``live_window_s``.
+        home_band: The band of scores within which a new prompt's home goes to the
+            worker expected to get the fewest returns, as a share of the best
+            candidate's predicted wait, at return probability 1 (it scales with the
+            probability). 0.2 is the prediction's typical relative error on the suite
+            (mean |log(simulated / predicted)| 0.19, docs/benchmarks.md).
+        home_band_s: Absolute part of that band (5 ms: the prediction's median
+            absolute error on the suite), scaled likewise.
     """
 
     name = "kv_ttft"
@@ -201,6 +232,9 @@ class KvTtftPolicy:
         residency_tie_s: float = 0.0,
         residency_tau_s: float = 60.0,
         live_window_s: float = 60.0,
+        home_window_s: float = 60.0,
+        home_band: float = 0.2,
+        home_band_s: float = 0.005,
     ) -> None:
         if mean_decode_context < 0:
             raise ValueError(f"mean_decode_context must be >= 0, got {mean_decode_context}")
@@ -229,6 +263,15 @@ class KvTtftPolicy:
         if live_window_s < 0:
             raise ValueError(f"live_window_s must be >= 0, got {live_window_s}")
         self.live = LiveCache(live_window_s) if live_window_s > 0 else None
+        if home_window_s < 0:
+            raise ValueError(f"home_window_s must be >= 0, got {home_window_s}")
+        if home_band < 0 or home_band_s < 0:
+            raise ValueError(
+                f"home_band and home_band_s must be >= 0, got {home_band} and {home_band_s}"
+            )
+        self.homes = HomeDemand(home_window_s) if home_window_s > 0 else None
+        self.home_band = home_band
+        self.home_band_s = home_band_s
         self._busy = 0.0
         self._landing: dict[str, list[float]] = {}
 
@@ -382,6 +425,8 @@ class KvTtftPolicy:
             )
             rank[host] = (total, int(s["in_flight"]), host)
         best = min(rank, key=rank.__getitem__)
+        if self.homes is not None:
+            best = self._home(request, scores, rank, best)
         if self.residency_tie_s > 0 and scores[best]["cached_tokens"] == 0:
             # The best candidate holds none of the prompt (usually: nobody does): among the
             # near-ties, the worker that took the fewest new blocks lately.
@@ -420,6 +465,34 @@ class KvTtftPolicy:
             matched_blocks=matched + pulled,
             kv_source=sources.get(best),
         )
+
+    def _home(
+        self,
+        request: RouteRequest,
+        scores: dict[str, dict[str, float]],
+        rank: Mapping[str, tuple[float, int, str]],
+        best: str,
+    ) -> str:
+        """The candidate a prompt nobody holds half of makes its home on; see the module
+        docstring. Records the request's returns to older homes and the home it makes."""
+        assert self.homes is not None
+        keys = request.block_keys
+        returned = self.homes.observe(keys, request.now)
+        p = self.homes.return_probability(request.now)
+        for host, s in scores.items():
+            s["home_demand"] = self.homes.demand(host, request.now)
+        held = max(s["cached_tokens"] for s in scores.values())
+        if held * 2 < request.num_tokens and p > 0:
+            # Within the prediction's own error of the best score, the candidates are
+            # alike for this request; the home goes where fewer homes will come back. The
+            # error is the wait's (a prompt nobody holds computes the same everywhere).
+            slack = self.home_band * scores[best]["wait_s"] + self.home_band_s
+            bound = rank[best][0] + p * slack
+            near = [h for h in rank if rank[h][0] <= bound]
+            best = min(near, key=lambda h: (scores[h]["home_demand"], rank[h]))
+            self.homes.place(best, keys, int(held) // request.block_size, request.now)
+        self.homes.follow(returned, best)
+        return best
 
     def _expire_landings(self, now: float) -> None:
         """Forget the pulls that have landed by ``now``."""

@@ -152,9 +152,9 @@ def test_a_burst_sharing_one_system_prompt_spreads_over_idle_workers() -> None:
 
     policy = KvTtftPolicy()
     spread = Counter(policy.choose(r, workers, {}).worker for r in burst)
-    # Without speculative state (and without the routing-rate externality, which also
-    # spreads a burst) every request sees the same stale, idle picture.
-    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0)
+    # Without speculative state (and without the routing-rate externality and the homes'
+    # balance, which also spread a burst) every request sees the same stale, idle picture.
+    blind = KvTtftPolicy(speculative_ttl_s=1e-9, externality_weight=0.0, home_window_s=0)
     herd = Counter(blind.choose(r, workers, {}).worker for r in burst)
 
     assert len(spread) == 4
@@ -223,6 +223,12 @@ def test_options_out_of_range_are_refused() -> None:
         KvTtftPolicy(residency_tau_s=0)
     with pytest.raises(ValueError, match="live_window_s"):
         KvTtftPolicy(live_window_s=-1)
+    with pytest.raises(ValueError, match="home_window_s"):
+        KvTtftPolicy(home_window_s=-1)
+    with pytest.raises(ValueError, match="home_band"):
+        KvTtftPolicy(home_band=-0.1)
+    with pytest.raises(ValueError, match="home_band"):
+        KvTtftPolicy(home_band_s=-0.001)
 
 
 def test_under_load_a_turn_stays_with_its_history_instead_of_chasing_a_shorter_queue() -> None:
@@ -509,11 +515,12 @@ def test_prompts_cached_nowhere_are_spread_over_equally_loaded_workers() -> None
     # Four idle, identical workers and eight new system prompts arriving one at a time:
     # every prediction is equal, so the plain tie-break (host name) puts all eight on w0,
     # whose HBM then holds every prefix the later requests will come back for while the
-    # other three hold none. The residency tie-break spreads them.
+    # other three hold none. The residency tie-break spreads them (the homes' balance,
+    # on by default, is off here: it spreads them too, see the tests below).
     workers = [view(h) for h in ("w0", "w1", "w2", "w3")]
 
-    spread = _cold_prompts(KvTtftPolicy(residency_tie_s=0.005), workers, 8)
-    piled = _cold_prompts(KvTtftPolicy(), workers, 8)
+    spread = _cold_prompts(KvTtftPolicy(residency_tie_s=0.005, home_window_s=0), workers, 8)
+    piled = _cold_prompts(KvTtftPolicy(home_window_s=0), workers, 8)
 
     assert spread == Counter({"w0": 2, "w1": 2, "w2": 2, "w3": 2})
     assert piled == Counter({"w0": 8})
@@ -535,7 +542,7 @@ def test_spreading_new_prefixes_never_costs_more_than_the_tie_band() -> None:
 def test_a_request_with_a_cached_prefix_is_not_moved_to_balance_new_ones() -> None:
     # Only prompts cached nowhere are balanced: one whose first block is on w0 stays
     # there even though w0 has received far more new blocks than w1 lately.
-    policy = KvTtftPolicy(residency_tie_s=0.005)
+    policy = KvTtftPolicy(residency_tie_s=0.005, home_window_s=0)
     _cold_prompts(policy, [view("w0")], 3)
     prompt = tokens(2048, seed=500)
     workers = [view("w0"), view("w1")]
@@ -669,3 +676,122 @@ def test_a_restarted_worker_has_no_live_cache_to_protect() -> None:
 
     assert decision.scores["w0"]["live_blocks"] == 0
     assert decision.scores["w0"]["displace_s"] == 0.0
+
+
+def _homes_on(policy: KvTtftPolicy, host: str, n: int) -> None:
+    """``n`` groups whose system prompts make their homes on ``host`` (0-20 s), each
+    returned to by a question 2 s later."""
+    for i in range(n):
+        system = tokens(2048, seed=1_000 + i)
+        assert policy.choose(request(system, now=10.0 * i), [view(host)], {}).worker == host
+        question = request(system + tokens(64, seed=1_100 + i), now=10.0 * i + 2)
+        held = {host: match(host, hbm=len(system) // BLOCK)}
+        assert policy.choose(question, [view(host)], held).worker == host
+
+
+def test_new_prompts_make_their_homes_where_fewer_homes_will_come_back() -> None:
+    # Eight groups start one every 5 s, each with a new system prompt then, 2 s later,
+    # a user's question under it, on four workers where w0's prediction for a new prompt
+    # is always a little better (a decode batch runs on the others): by the score alone
+    # w0 would be home to all eight groups and carry all their traffic. Within the
+    # prediction's error band the homes go where the fewest homes come back.
+    workers = [view("w0")] + [view(h, running=8, running_kv=40_000) for h in ("w1", "w2", "w3")]
+    policy, blind = KvTtftPolicy(), KvTtftPolicy(home_window_s=0)
+    placed: Counter[str] = Counter()
+    by_score: Counter[str] = Counter()
+    for i in range(8):  # each after the last one's speculation ended
+        system = tokens(2048, seed=900 + i)
+        for chosen, p in ((placed, policy), (by_score, blind)):
+            home = p.choose(request(system, now=5.0 * i), workers, {}).worker
+            chosen[home] += 1
+            question = request(system + tokens(64, seed=950 + i), now=5.0 * i + 2)
+            held = {home: match(home, hbm=len(system) // BLOCK)}
+            assert p.choose(question, workers, held).worker == home
+
+    assert policy.homes is not None
+    assert policy.homes.returns == 8
+    first = policy.choose(request(tokens(2048, seed=999), now=40.0), workers, {})
+    gap = first.scores["w1"]["total"] - first.scores["w0"]["total"]
+    assert 0 < gap < policy.homes.return_probability(now=40.0) * 0.005
+    assert placed == Counter({"w0": 2, "w1": 2, "w2": 2, "w3": 2})
+    assert by_score == Counter({"w0": 8})
+
+
+def test_a_home_is_never_worth_more_than_the_prediction_error_band() -> None:
+    # w1 has no home and w0 has three (returned to), but a 2K-token queue makes w1 slower for a new
+    # 32K-token document by ~35 ms: within 20% of its ~0.6 s prediction, far beyond 20% of
+    # w0's wait (none) + 5 ms. The prompt computes the same on both; only the wait could
+    # be mispredicted, and it is not sent behind a longer queue for balance.
+    policy = KvTtftPolicy()
+    _homes_on(policy, "w0", 3)
+    workers = [view("w0"), view("w1", queued=2048)]
+
+    decision = policy.choose(request(tokens(32_768, seed=410), now=40.0), workers, {})
+
+    w0, w1 = decision.scores["w0"], decision.scores["w1"]
+    assert (w0["home_demand"], w1["home_demand"]) == (3.0, 0.0)
+    assert w0["wait_s"] == 0.0
+    assert w0["total"] + 0.005 < w1["total"] < 1.2 * w0["total"]
+    assert decision.worker == "w0"
+    # Where the best candidate's own wait is uncertain, the band widens with it: behind
+    # a 40K-token queue on w0, w1 slower by the same ~35 ms gets the home.
+    busy = [view("w0", queued=40_960), view("w1", queued=43_008)]
+    later = policy.choose(request(tokens(32_768, seed=411), now=45.0), busy, {})
+    assert later.scores["w1"]["total"] > later.scores["w0"]["total"]
+    assert later.worker == "w1"
+
+
+def test_a_prompt_a_worker_holds_half_of_goes_to_its_cache_not_to_the_fewest_homes() -> None:
+    # As SGLang's cache threshold: a prompt one worker holds at least half of is that
+    # worker's traffic, however many homes it has; one it holds less of is a new home.
+    policy = KvTtftPolicy()
+    _homes_on(policy, "w0", 3)
+    prompt = tokens(2048, seed=510)  # 128 blocks
+    workers = [view("w0"), view("w1")]
+
+    half = policy.choose(request(prompt, now=30.0), workers, {"w0": match("w0", hbm=64)})
+    less = policy.choose(
+        request(tokens(2048, seed=511), now=45.0), workers, {"w0": match("w0", hbm=8)}
+    )
+
+    assert half.worker == "w0"
+    assert less.scores["w0"]["total"] < less.scores["w1"]["total"]
+    assert less.worker == "w1"
+
+
+def test_when_new_prompts_never_come_back_the_score_decides_again() -> None:
+    # One-off traffic (every prompt new, none ever returned to). The first new prompts
+    # are taken as homes and spread; as they wait unreturned the learned return
+    # probability falls, the band closes, and a worker a little better by the score
+    # gets every new prompt, as without the homes.
+    workers = [view("w0"), view("w1", running=8, running_kv=40_000)]
+    policy = KvTtftPolicy(home_window_s=60.0)
+
+    early = _cold_prompts(policy, workers, 2)  # 0 and 10 s: nothing known yet
+    late: Counter[str] = Counter()
+    for i in range(40):  # 100-490 s
+        prompt = request(tokens(2048, seed=700 + i), now=100.0 + 10.0 * i)
+        late[policy.choose(prompt, workers, {}).worker] += 1
+
+    assert early == Counter({"w0": 1, "w1": 1})
+    assert policy.homes is not None
+    assert policy.homes.return_probability(now=490.0) < 0.05
+    assert late == Counter({"w0": 40})
+
+
+def test_a_session_that_comes_back_counts_as_a_home_on_the_worker_serving_it() -> None:
+    # A session's first turn makes a home on w0; its second turn returns to it (the
+    # first turn's blocks are its prefix) and is pulled to w1: the home follows it, and
+    # a returned home counts whole whatever the return probability.
+    policy = KvTtftPolicy()
+    first = tokens(2048, seed=800)
+    assert policy.choose(request(first), [view("w0")], {}).worker == "w0"
+
+    second = request(first + tokens(256, seed=801), now=5.0)
+    decision = policy.choose(second, [view("w1")], {})
+
+    assert decision.worker == "w1"
+    assert policy.homes is not None
+    assert policy.homes.demand("w1", now=5.0) == 1.0
+    assert policy.homes.demand("w0", now=5.0) == 0.0
+    assert policy.homes.returns == 1
