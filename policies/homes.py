@@ -89,8 +89,7 @@ class HomeDemand:
                 self.returns += 1
                 self._pending[home.host] -= 1
                 self._returned[home.host] += 1
-                self._waiting -= 1
-                self._placed_sum -= home.last
+                self._unwait(home.last)
             home.last = max(home.last, now)
             self._homes[key] = home
         return found
@@ -143,11 +142,17 @@ class HomeDemand:
             else:
                 self.misses += 1
                 self._pending[home.host] -= 1
-                self._waiting -= 1
-                self._placed_sum -= home.last
+                self._unwait(home.last)
             for counts in (self._returned, self._pending):
                 if not counts[home.host]:
                     del counts[home.host]
+
+    def _unwait(self, placed: float) -> None:
+        """A home placed at ``placed`` is no longer waiting for its first return."""
+        self._waiting -= 1
+        # Back to exactly zero whenever nothing waits, so a long-running gateway's sum of
+        # epoch-second times does not carry rounding from one busy period to the next.
+        self._placed_sum = self._placed_sum - placed if self._waiting else 0.0
 
     def __len__(self) -> int:
         return len(self._homes)
