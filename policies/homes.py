@@ -16,8 +16,9 @@ of its prompt that no worker held when it was placed (the point where the
 prompt became new), at that block's position: a later request whose key at
 that position is the same shares everything up to there, so it returned.
 Block keys are chained, so the check is one dictionary lookup per distinct
-home position, not per block. A home lives until ``window_s`` passes without
-a return; one that never returned counts as a miss when it expires. The
+home position (at most one per block of the prompt). A home lives until
+``window_s`` passes without a return; one that never returned counts as a
+miss when it expires. The
 return probability is learned from those outcomes, starting from
 ``prior_returns`` returns in as many homes (1: before anything is known, a
 new prompt is taken to be a home that comes back, as SGLang's rule assumes).
@@ -77,8 +78,12 @@ class HomeDemand:
         ``now`` returns to; returns their keys (for :meth:`follow`)."""
         self.expire(now)
         found = []
-        for position in self._positions:
-            if position < len(keys):
+        # Usually a handful of distinct positions (where shared system prompts end); never
+        # more look-ups than the prompt has blocks.
+        n = len(keys)
+        positions = self._positions if len(self._positions) < n else range(n)
+        for position in positions:
+            if position < n:
                 home = self._homes.get(keys[position])
                 if home is not None and home.position == position:
                     found.append(keys[position])
