@@ -77,6 +77,11 @@ class WorkerSettings(BaseSettings):
     drain_s: float = Field(
         30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
     )
+    keep_alive_s: float = Field(
+        75.0,
+        ge=1,
+        description="how long an idle keep-alive connection stays open (above clients' own 5 s)",
+    )
     seed: int = 0
 
     @model_validator(mode="after")

@@ -7,6 +7,12 @@ withdraws its heartbeat and refuses new requests with 503, a gateway turns
 requests in flight, streams included, finish for up to ``drain_s`` seconds
 before it cancels them and runs the lifespan's shutdown. A second signal
 skips the wait; a third forces the exit.
+
+Idle keep-alive connections stay open for ``keep_alive_s`` (75 s by default, nginx's
+default), not uvicorn's 5 s. Pooled HTTP clients (httpx, and so the ``openai`` SDK,
+keep idle connections 5 s too) reuse a connection just as a 5 s server closes it, and
+the request fails with a reset the client cannot safely retry; a server that keeps its
+connections longer than its clients do never closes one under them.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-__all__ = ["DrainingServer", "serve"]
+__all__ = ["DEFAULT_KEEP_ALIVE_S", "DrainingServer", "serve"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds an idle keep-alive connection stays open: nginx's default, above the 5 s that
+#: pooled clients (httpx, the ``openai`` SDK) keep theirs and the 60 s of common load
+#: balancers, so the client side always closes first.
+DEFAULT_KEEP_ALIVE_S = 75.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -63,10 +74,19 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app: Starlette, *, host: str, port: int, drain_s: float) -> None:
-    """Serve ``app`` until a signal, draining in-flight requests for up to ``drain_s``."""
+def serve(
+    app: Starlette,
+    *,
+    host: str,
+    port: int,
+    drain_s: float,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+) -> None:
+    """Serve ``app`` until a signal, draining in-flight requests for up to ``drain_s``;
+    idle keep-alive connections are closed after ``keep_alive_s``."""
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False,
         timeout_graceful_shutdown=max(1, round(drain_s)),
+        timeout_keep_alive=max(1, round(keep_alive_s)),
     )  # fmt: skip
     DrainingServer(config, app).run()

@@ -41,8 +41,9 @@ def serve(
     settings = RouterSettings(**{k: v for k, v in given.items() if v not in (None, "", [])})
     configure_logging("gateway", log_level)
     serve_app(
-        create_app(settings), host=settings.bind, port=settings.port, drain_s=settings.drain_s
-    )
+        create_app(settings), host=settings.bind, port=settings.port,
+        drain_s=settings.drain_s, keep_alive_s=settings.keep_alive_s,
+    )  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

@@ -75,8 +75,9 @@ def worker(
         raise typer.Exit(code=2)
     configure_logging("worker", log_level)
     serve_app(
-        create_app(settings), host=settings.bind, port=settings.port, drain_s=settings.drain_s
-    )
+        create_app(settings), host=settings.bind, port=settings.port,
+        drain_s=settings.drain_s, keep_alive_s=settings.keep_alive_s,
+    )  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

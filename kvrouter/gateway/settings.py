@@ -73,6 +73,11 @@ class RouterSettings(BaseSettings):
     drain_s: float = Field(
         30.0, ge=0, description="on SIGTERM: how long in-flight streams may finish (not ready)"
     )
+    keep_alive_s: float = Field(
+        75.0,
+        ge=1,
+        description="how long an idle keep-alive connection stays open (above clients' own 5 s)",
+    )
     unready_grace_s: float = Field(
         0.0, ge=0, description="on SIGTERM: serve on, not ready, this long before draining"
     )

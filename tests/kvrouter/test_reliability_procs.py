@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -235,3 +236,67 @@ def test_a_non_streaming_request_whose_worker_dies_is_not_generated_again(
         other = next(w for n, w in workers.items() if n != victim)
         scrape = httpx.get(f"{other.url}/metrics").text
         assert "kvworker_prompt_tokens_total 0.0" in scrape
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    """One ``GET /health`` on an open connection; the raw response (b"" if it was closed)."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))  # fmt: skip
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed the idle connection (its FIN is waiting to be read)."""
+    sock.settimeout(0.5)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_5_s(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Pooled clients (httpx, so the openai SDK) keep an idle connection 5 s and reuse it
+    until then; a server that also closes at 5 s (uvicorn's default) resets the request that
+    reuses it at that moment (seen as one ReadError in a closed-loop run). The gateway and
+    the worker keep idle connections 75 s: one idle for 6 s still answers, on the same
+    socket. ``KEEP_ALIVE_S`` is honoured: at 1 s the connection is closed by then."""
+    procs = [
+        Proc("gw", ["serve", "--model", MODEL, "--redis", redis_url], tmp_path, {}),
+        Proc("gw1", ["serve", "--model", MODEL, "--redis", redis_url], tmp_path,
+             {"KVROUTER_KEEP_ALIVE_S": "1"}),
+        sim_worker("w", redis_url, tmp_path),
+    ]  # fmt: skip
+    try:
+        for p in procs:
+            p.proc.start()
+        socks = [socket.create_connection(("127.0.0.1", p.port), timeout=5) for p in procs]
+        for s in socks:
+            assert _get_health(s).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        gateway, short, worker = socks
+        assert _closed(short)
+        assert not _closed(gateway)
+        assert not _closed(worker)
+        gateway.settimeout(5)
+        worker.settimeout(5)
+        assert _get_health(gateway).startswith(b"HTTP/1.1 200")
+        assert _get_health(worker).startswith(b"HTTP/1.1 200")
+        for s in socks:
+            s.close()
+    finally:
+        for p in procs:
+            p.proc.stop()
