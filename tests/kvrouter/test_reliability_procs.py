@@ -251,8 +251,11 @@ def _get_health(sock: socket.socket) -> bytes:
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length")))  # fmt: skip
     while len(body) < length:
-        body += sock.recv(65536)
-    return data
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -280,6 +283,7 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_own_5_s(
              {"KVROUTER_KEEP_ALIVE_S": "1"}),
         sim_worker("w", redis_url, tmp_path),
     ]  # fmt: skip
+    socks: list[socket.socket] = []
     try:
         for p in procs:
             p.proc.start()
@@ -295,8 +299,8 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_own_5_s(
         worker.settimeout(5)
         assert _get_health(gateway).startswith(b"HTTP/1.1 200")
         assert _get_health(worker).startswith(b"HTTP/1.1 200")
+    finally:
         for s in socks:
             s.close()
-    finally:
         for p in procs:
             p.proc.stop()
