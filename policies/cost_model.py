@@ -36,6 +36,7 @@ __all__ = [
     "pull_seconds",
     "queue_seconds",
     "queued_load_seconds",
+    "reload_seconds",
     "resolve_profile",
     "split_prompt",
 ]
@@ -284,9 +285,9 @@ def displacement_seconds(
     (``hbm_room_blocks``, where cached free blocks count as room); the live cached
     blocks (``live_blocks``: other requests will come back for them,
     ``policies.live_cache``) fill that room first, so whatever the request adds beyond
-    the rest evicts live blocks, at most all of them, to DRAM, and each costs a DRAM
-    load to the request that comes back for it. 0.0 when nothing live is evicted, or
-    when the view does not publish its active blocks.
+    the rest evicts live blocks, at most all of them, and each costs the request that
+    comes back for it a reload (``reload_seconds``). 0.0 when nothing live is evicted,
+    or when the view does not publish its active blocks.
     """
     if added_blocks <= 0 or live_blocks <= 0:
         return 0.0
@@ -295,4 +296,24 @@ def displacement_seconds(
         return 0.0
     spare = max(room - live_blocks, 0.0)
     evicted = min(max(added_blocks - spare, 0.0), live_blocks)
-    return blocks_load_seconds(view, profile, {Medium.DRAM: math.ceil(evicted)}, block_size)
+    return reload_seconds(view, profile, math.ceil(evicted), block_size)
+
+
+def reload_seconds(view: WorkerView, profile: TimingProfile, blocks: int, block_size: int) -> float:
+    """What bringing back ``blocks`` evicted from the worker's HBM costs a later request.
+
+    The block pool demotes an evicted HBM block to the next slower tier the worker has
+    (``engine_worker.block_pool``): a DRAM load then, else an SSD load; on a worker with
+    HBM only (vLLM and SGLang without offloading) the blocks are gone and the request
+    recomputes them: their prefill's compute, without the step overhead it pays anyway.
+    A view that publishes no tier capacities is taken to have DRAM.
+    """
+    if blocks <= 0:
+        return 0.0
+    capacity = view.kv_capacity_blocks
+    for medium in (Medium.DRAM, Medium.SSD):
+        if not capacity or capacity.get(medium, 0) > 0:
+            return blocks_load_seconds(view, profile, {medium: blocks}, block_size)
+    tokens = blocks * block_size
+    chunks = -(-tokens // profile.max_num_batched_tokens)
+    return max(profile.prefill_seconds(tokens) - profile.prefill[0] * chunks, 0.0)

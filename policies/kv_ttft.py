@@ -77,9 +77,11 @@ leaves is full, and the views cannot say which cached blocks anyone still
 wants. The policy remembers which blocks its requests reused on each worker
 within the last ``live_window_s`` (``policies.live_cache``): those are live,
 the next request of a session, group or agent will come back for them.
-``displacement(w)`` is the DRAM reload of the live blocks (other than the
+``displacement(w)`` is the reload of the live blocks (other than the
 request's own) that its new blocks would evict (``displacement_seconds``):
-a new system prompt then goes where the cache is dead rather than where
+a DRAM load, an SSD load on a worker without DRAM, a recompute on one with
+HBM only (vLLM and SGLang without offloading), where an evicted block is
+gone. A new system prompt then goes where the cache is dead rather than where
 eight groups' prompts fill HBM, and a pull does not land on top of another
 session's history for free. One-off traffic leaves nothing live and the
 term vanishes. On the bench suite it brought ``groups`` p90 closer to

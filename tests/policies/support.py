@@ -35,16 +35,21 @@ def view(
     mean_output: float = 0.0,
     hbm_used: int = 0,
     hbm_capacity: int = 10_000,
+    dram_capacity: int = 0,
+    ssd_capacity: int = 0,
     ts: float = 0.0,
     bandwidth: dict[Medium, float] | None = None,
     profile: TimingProfile | None = PROFILE,
 ) -> WorkerView:
-    """A worker view with the given load; HBM capacity 10,000 blocks by default.
+    """A worker view with the given load; HBM capacity 10,000 blocks by default, and
+    DRAM and SSD tiers only when given a capacity (as the vLLM adapter publishes them).
 
     ``queued_context``, ``running_kv``, ``active`` and ``mean_output`` are the view's
     ``queued_prefill_context``, ``running_kv_tokens``, ``kv_active_blocks`` and
     ``mean_output_tokens`` (0: not published, as from an older worker).
     """
+    sizes = ((Medium.HBM, hbm_capacity), (Medium.DRAM, dram_capacity), (Medium.SSD, ssd_capacity))
+    tiers = {m: n for m, n in sizes if n}
     return WorkerView(
         host=host,
         url=f"http://{host}:8000",
@@ -58,7 +63,7 @@ def view(
         running_kv_tokens=running_kv,
         kv_active_blocks=active,
         mean_output_tokens=mean_output,
-        kv_capacity_blocks={Medium.HBM: hbm_capacity},
+        kv_capacity_blocks=tiers,
         kv_used_blocks={Medium.HBM: hbm_used},
         load_bandwidth=dict(bandwidth or {}),
         profile=profile,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 
 from indexer.media import Medium
 from policies.cost_model import (
@@ -14,6 +15,7 @@ from policies.cost_model import (
     prefill_context,
     prefill_seconds,
     queue_seconds,
+    reload_seconds,
     split_prompt,
 )
 from tests.engine_worker.test_scheduler import make, req, run_to_end
@@ -151,7 +153,7 @@ def test_prefill_context_is_what_a_worker_publishes_for_the_prompts_it_queued() 
 def test_new_blocks_evict_live_cached_blocks_only_beyond_the_spare_room() -> None:
     # 10,000 blocks, 6,000 held by 10 running requests that will grow by 50 blocks in all:
     # 3,950 blocks of room, 3,700 of them holding blocks other requests come back for.
-    w = view("w", running=10, active=6_000, running_kv=96_000)
+    w = view("w", running=10, active=6_000, running_kv=96_000, dram_capacity=20_000)
     one_block = BLOCK * PROFILE.kv_bytes_per_token / PROFILE.load_bandwidth[Medium.DRAM]
 
     def displaced(added: int, live: int = 3_700) -> float:
@@ -165,3 +167,27 @@ def test_new_blocks_evict_live_cached_blocks_only_beyond_the_spare_room() -> Non
     # An older worker that does not publish its active blocks: no estimate.
     unknown = view("w", running=10, running_kv=96_000)
     assert displacement_seconds(unknown, PROFILE, 20_000, 3_700, BLOCK, 160.0) == 0.0
+
+
+def test_a_block_evicted_from_a_worker_without_dram_costs_its_recompute() -> None:
+    # The block pool demotes an evicted HBM block to the next tier the worker has: DRAM,
+    # else SSD; with HBM only (vLLM and SGLang without offloading) it is gone, and the
+    # request that comes back for it recomputes it, ~7x a DRAM load for 150 blocks here.
+    tokens_150 = 150 * BLOCK
+    ssd_block = BLOCK * PROFILE.kv_bytes_per_token / PROFILE.load_bandwidth[Medium.SSD]
+    recompute = PROFILE.prefill_seconds(tokens_150) - PROFILE.prefill[0]
+
+    def displaced(dram: int = 0, ssd: int = 0) -> float:
+        w = view(
+            "w", running=10, active=6_000, running_kv=96_000, dram_capacity=dram, ssd_capacity=ssd
+        )
+        return displacement_seconds(w, PROFILE, 400, 3_700, BLOCK, 160.0)
+
+    dram = displaced(dram=20_000, ssd=40_000)
+    assert displaced(ssd=40_000) == pytest.approx(150 * ssd_block)
+    assert displaced() == pytest.approx(recompute)
+    assert dram < displaced() / 5
+    # No capacities published at all: taken as a worker with DRAM, as before.
+    bare = replace(view("w", running=10, active=6_000, running_kv=96_000), kv_capacity_blocks={})
+    assert reload_seconds(bare, PROFILE, 150, BLOCK) == pytest.approx(dram)
+    assert reload_seconds(bare, PROFILE, 0, BLOCK) == 0.0

@@ -626,7 +626,10 @@ def test_a_new_prompt_goes_where_it_evicts_no_live_cache() -> None:
     # next request would reload them from DRAM; w1's cache is dead. Without the live
     # cache the two predictions tie and the host name sends it to w0.
     cold = request(tokens(4096, seed=610), now=30.0)
-    workers = [view("w0", hbm_capacity=800), view("w1", hbm_capacity=800)]
+    workers = [
+        view("w0", hbm_capacity=800, dram_capacity=4_000),
+        view("w1", hbm_capacity=800, dram_capacity=4_000),
+    ]
     policy, blind = KvTtftPolicy(), KvTtftPolicy(live_window_s=0)
     _live_groups(policy)
     _live_groups(blind)
