@@ -47,6 +47,7 @@ class _Home:
     position: int
     last: float
     returned: bool = False
+    blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -63,6 +64,8 @@ class HomeDemand:
     _positions: Counter[int] = field(default_factory=Counter)
     _returned: Counter[str] = field(default_factory=Counter)
     _pending: Counter[str] = field(default_factory=Counter)
+    # Per host: the blocks its homes waiting for a first return hold.
+    _pending_blocks: Counter[str] = field(default_factory=Counter)
     # Homes waiting for a first return, and the sum of the times they were placed.
     _waiting: int = 0
     _placed_sum: float = 0.0
@@ -93,6 +96,7 @@ class HomeDemand:
                 home.returned = True
                 self.returns += 1
                 self._pending[home.host] -= 1
+                self._pending_blocks[home.host] -= home.blocks
                 self._returned[home.host] += 1
                 self._unwait(home.last)
             home.last = max(home.last, now)
@@ -107,15 +111,20 @@ class HomeDemand:
                 counts = self._returned if home.returned else self._pending
                 counts[home.host] -= 1
                 counts[host] += 1
+                if not home.returned:
+                    self._pending_blocks[home.host] -= home.blocks
+                    self._pending_blocks[host] += home.blocks
                 home.host = host
 
     def place(self, host: str, keys: Sequence[int], position: int, now: float) -> None:
         """A prompt nobody held from block ``position`` on was routed to ``host``."""
         if not 0 <= position < len(keys) or keys[position] in self._homes:
             return
-        self._homes[keys[position]] = _Home(host, position, now)
+        blocks = len(keys) - position
+        self._homes[keys[position]] = _Home(host, position, now, blocks=blocks)
         self._positions[position] += 1
         self._pending[host] += 1
+        self._pending_blocks[host] += blocks
         self._waiting += 1
         self._placed_sum += now
 
@@ -129,6 +138,11 @@ class HomeDemand:
     def demand(self, host: str, now: float) -> float:
         """Homes on ``host`` expected to be returned to, as of ``now``."""
         return self._returned[host] + self.return_probability(now) * self._pending[host]
+
+    def pending_blocks(self, host: str, now: float) -> float:
+        """Blocks of the homes on ``host`` still waiting for a first return, weighed by
+        the return probability at ``now``: the cache they are expected to make live."""
+        return self.return_probability(now) * self._pending_blocks[host]
 
     def expire(self, now: float) -> None:
         """Forget homes unused for the window; a home never returned to is a miss."""
@@ -147,8 +161,9 @@ class HomeDemand:
             else:
                 self.misses += 1
                 self._pending[home.host] -= 1
+                self._pending_blocks[home.host] -= home.blocks
                 self._unwait(home.last)
-            for counts in (self._returned, self._pending):
+            for counts in (self._returned, self._pending, self._pending_blocks):
                 if not counts[home.host]:
                     del counts[home.host]
 

@@ -76,7 +76,10 @@ loads from DRAM and SSD) evicts cached blocks once the room admitted work
 leaves is full, and the views cannot say which cached blocks anyone still
 wants. The policy remembers which blocks its requests reused on each worker
 within the last ``live_window_s`` (``policies.live_cache``): those are live,
-the next request of a session, group or agent will come back for them.
+the next request of a session, group or agent will come back for them. So
+are the blocks of the homes it placed that nothing has returned to yet (see
+below), weighed by the return probability: without them a worker just made
+home to a burst's new prompts looks dead and draws the rest of the burst.
 ``displacement(w)`` is the reload of the live blocks (other than the
 request's own) that its new blocks would evict (``displacement_seconds``):
 a DRAM load, an SSD load on a worker without DRAM, a recompute on one with
@@ -372,6 +375,10 @@ class KvTtftPolicy:
             live = 0
             if self.live is not None:
                 live = self.live.count(view.host, now, view.epoch)
+                if self.homes is not None:
+                    # Homes placed here and not yet returned to will be: their blocks
+                    # are as live as those already reused (weighed by the probability).
+                    live += round(self.homes.pending_blocks(view.host, now))
                 added = -(-new // request.block_size) + pulled + min(lower, matched)
                 displace = displacement_seconds(
                     view, profile, added, max(live - matched, 0), request.block_size, output

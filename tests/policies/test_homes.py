@@ -85,3 +85,27 @@ def test_bad_settings_are_refused() -> None:
         HomeDemand(window_s=0)
     with pytest.raises(ValueError, match="prior_returns"):
         HomeDemand(prior_returns=-1)
+
+
+def test_homes_waiting_for_a_return_hold_their_blocks_until_it_comes_or_they_expire() -> None:
+    homes = HomeDemand(window_s=60.0)
+    homes.place("w0", list(range(10)), 2, now=0.0)  # blocks 2-9 were new: 8 blocks
+    homes.place("w1", list(range(100, 105)), 0, now=0.0)
+
+    assert homes.return_probability(now=0.0) == 1.0
+    assert homes.pending_blocks("w0", now=0.0) == 8.0
+    assert homes.pending_blocks("w1", now=0.0) == 5.0
+    # Weighed by the probability that they come back, which falls as they wait.
+    p = homes.return_probability(now=30.0)
+    assert 0 < p < 1
+    assert homes.pending_blocks("w0", now=30.0) == pytest.approx(8 * p)
+    # A home moved before its first return takes its blocks along.
+    homes.follow([100], "w0")
+    assert homes.pending_blocks("w0", now=0.0) == 13.0
+    assert homes.pending_blocks("w1", now=0.0) == 0.0
+    # Returned to: its blocks are the reusing request's (the live cache's), not pending.
+    assert homes.observe(list(range(12)), now=10.0) == [2]
+    assert homes.pending_blocks("w0", now=10.0) == pytest.approx(5 * homes.return_probability(10.0))
+    # Expired without a return: nothing held any more.
+    homes.expire(now=61.0)
+    assert homes.pending_blocks("w0", now=61.0) == 0.0

@@ -798,3 +798,34 @@ def test_a_session_that_comes_back_counts_as_a_home_on_the_worker_serving_it() -
     assert policy.homes.demand("w1", now=5.0) == 1.0
     assert policy.homes.demand("w0", now=5.0) == 0.0
     assert policy.homes.returns == 1
+
+
+def test_homes_not_yet_returned_to_are_live_cache_too() -> None:
+    # Two idle workers of 800 HBM blocks. w0 holds three group prompts (768 blocks) that
+    # their groups came back for: live. w1 was just made home to three new group
+    # prompts that nobody has come back for yet: by reuse alone its cache looks dead,
+    # and a burst of new prompts would pile onto it (the homes' balance sees 3 homes
+    # there, but w0's displacement put it outside the band). Homes waiting for their
+    # first return are live with the return probability: both caches are priced
+    # alike and the new prompt makes its home on w0, which has none.
+    policy = KvTtftPolicy(home_window_s=600.0, speculative_ttl_s=0.5)
+    _live_groups(policy)
+    for i in range(3):
+        placed = policy.choose(request(tokens(4096, seed=630 + i), now=20.0 + i), [view("w1")], {})
+        assert placed.worker == "w1"
+    workers = [
+        view("w0", hbm_capacity=800, dram_capacity=4_000),
+        view("w1", hbm_capacity=800, dram_capacity=4_000),
+    ]
+
+    decision = policy.choose(request(tokens(4096, seed=640), now=30.0), workers, {})
+
+    assert policy.homes is not None
+    p = policy.homes.return_probability(now=30.0)
+    w0, w1 = decision.scores["w0"], decision.scores["w1"]
+    assert w0["home_demand"] == 0.0
+    assert w1["home_demand"] == pytest.approx(3 * p)
+    assert w0["live_blocks"] == 768
+    assert w1["live_blocks"] == round(768 * p)
+    assert 0 < w1["displace_s"] <= w0["displace_s"]
+    assert decision.worker == "w0"
