@@ -27,7 +27,7 @@ from kvrouter.bench.report import (
     write_json,
 )
 from kvrouter.bench.simulator import SimConfig, SimulationError
-from kvrouter.bench.suite import CASES, SETS, parse_jitter, run_suite
+from kvrouter.bench.suite import CASES, SETS, parse_jitter, parse_tiers, run_suite
 from kvrouter.bench.trace import TraceError, TraceRecord, read_trace, write_trace
 from kvrouter.bench.workloads import (
     AgentWorkload,
@@ -352,6 +352,13 @@ def suite(
             "amount < 1 ms; several: medians over the runs, and how often each gap held."
         ),
     ] = "0",
+    tiers: Annotated[
+        str,
+        typer.Option(
+            help="KV tiers every worker keeps (hbm,dram,ssd); 'hbm': workers without KV "
+            "offloading, as vLLM and SGLang run by default."
+        ),
+    ] = "hbm,dram,ssd",
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -375,7 +382,7 @@ def suite(
             out_dir, console=_console(), quick=quick, sets=chosen, only=names, jobs=jobs,
             plots=plots, loads=[x for x in load.split(",") if x],
             view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
-            jitter=parse_jitter(jitter),
+            jitter=parse_jitter(jitter), tiers=parse_tiers(tiers),
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

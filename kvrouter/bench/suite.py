@@ -72,6 +72,7 @@ from kvrouter.policy_factory import build_policy
 from policies.registry import DEFAULT_POLICY, policy_names
 
 __all__ = [
+    "ALL_TIERS",
     "CASES",
     "LENGTH_BINS",
     "LOADS",
@@ -80,12 +81,16 @@ __all__ = [
     "SuiteCase",
     "measure_capacity",
     "parse_jitter",
+    "parse_tiers",
     "prediction_error",
     "run_suite",
 ]
 
 #: (label, fraction of measured capacity) of the generated workloads.
 LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load90", 0.9))
+
+#: The KV tiers a case's workers have, unless ``--tiers`` takes some away.
+ALL_TIERS: tuple[str, ...] = ("hbm", "dram", "ssd")
 
 #: Loads of the production-shaped workloads: moderate, busy, and saturated.
 PRODUCTION_LOADS: tuple[tuple[str, float], ...] = (
@@ -107,13 +112,17 @@ class SuiteCase:
     ssd_blocks: int | None = None
     loads: tuple[tuple[str, float], ...] = LOADS
 
-    def config(self, seed: int, time_scale: float = 1.0) -> SimConfig:
-        """The simulated cluster of this case."""
+    def config(
+        self, seed: int, time_scale: float = 1.0, tiers: Sequence[str] = ALL_TIERS
+    ) -> SimConfig:
+        """The simulated cluster of this case; its workers lack the lower tiers (DRAM,
+        SSD) that ``tiers`` leaves out (HBM-only workers: vLLM or SGLang without KV
+        offloading)."""
         return SimConfig(
             workers=self.workers,
             hbm_blocks=self.hbm_blocks,
-            dram_blocks=self.dram_blocks,
-            ssd_blocks=self.ssd_blocks,
+            dram_blocks=self.dram_blocks if "dram" in tiers else 0,
+            ssd_blocks=self.ssd_blocks if "ssd" in tiers else 0,
             seed=seed,
             time_scale=time_scale,
         )
@@ -221,11 +230,13 @@ def _trace(name: str, seed: int, quick: bool) -> list[TraceRecord]:
     return generate(_case(name, quick).workload, seed)
 
 
-def _capacity(name: str, seed: int, quick: bool) -> tuple[float, float]:
+def _capacity(
+    name: str, seed: int, quick: bool, tiers: Sequence[str] = ALL_TIERS
+) -> tuple[float, float]:
     """(capacity, natural rate) of a run, in requests/s."""
     trace = _trace(name, seed, quick)
     span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
-    capacity = measure_capacity(trace, _case(name, quick).config(seed))
+    capacity = measure_capacity(trace, _case(name, quick).config(seed, tiers=tiers))
     return capacity, len(trace) / max(span, 1e-9)
 
 
@@ -241,17 +252,20 @@ def _replay(
     policy: str,
     view_interval_s: float = 0.0,
     jitter: int = 0,
+    tiers: Sequence[str] = ALL_TIERS,
 ) -> _Replayed:
     trace = _trace(name, seed, quick)
-    config = _case(name, quick).config(seed, time_scale)
+    config = _case(name, quick).config(seed, time_scale, tiers)
     config = dataclasses.replace(config, view_interval_s=view_interval_s, jitter=jitter)
     result = simulate(trace, build_policy(policy, seed=seed), config)
     return result.records, result.busy_s
 
 
-def _oracle(name: str, seed: int, quick: bool, time_scale: float) -> float:
+def _oracle(
+    name: str, seed: int, quick: bool, time_scale: float, tiers: Sequence[str] = ALL_TIERS
+) -> float:
     trace = _trace(name, seed, quick)
-    return trace_oracle(trace, _case(name, quick).config(seed, time_scale)).hit_rate
+    return trace_oracle(trace, _case(name, quick).config(seed, time_scale, tiers)).hit_rate
 
 
 # -- results ------------------------------------------------------------------------------
@@ -404,6 +418,7 @@ def run_suite(
     view_interval_s: float = 0.0,
     seeds: Sequence[int] = (),
     jitter: Sequence[int] = (0,),
+    tiers: Sequence[str] = ALL_TIERS,
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -426,10 +441,15 @@ def run_suite(
             are). With several, a cell's figures are the medians over its runs and the
             ratio table says in how many runs ``kv_ttft`` was behind: differences between
             policies that outlast the luck of one trajectory.
+        tiers: The KV tiers every worker keeps (``hbm`` always; ``dram``, ``ssd``):
+            leaving out ``dram`` and ``ssd`` replays every cell on workers without KV
+            offloading, a cluster the policies were not tuned on. Capacity, loads and
+            the oracle are measured on that cluster.
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
-            negative view interval, seed or jitter, no jitter.
+            negative view interval, seed or jitter, no jitter, tiers without ``hbm`` or
+            with an unknown name.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -459,6 +479,7 @@ def run_suite(
     jitters = list(dict.fromkeys(jitter))
     if not jitters:
         raise ValueError("no jitter to replay under (0 replays the trace as it is)")
+    tiers = _check_tiers(tiers)
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
@@ -468,7 +489,10 @@ def run_suite(
         TimeElapsedColumn(),
     )
     with ProcessPoolExecutor(workers) as pool, Progress(*columns, console=console) as progress:
-        runs = [_Run(s, c, seed, pool.submit(_capacity, c, seed, quick)) for s, c, seed in selected]
+        runs = [
+            _Run(s, c, seed, pool.submit(_capacity, c, seed, quick, tiers))
+            for s, c, seed in selected
+        ]
         pending: list[_Pending] = []
         for run in runs:
             capacity, natural = run.capacity.result()
@@ -478,12 +502,12 @@ def run_suite(
                 scale = load * capacity / natural
                 replays: dict[tuple[str, int], Future[_Replayed]] = {
                     (p, k): pool.submit(
-                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, k
+                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, k, tiers
                     )
                     for k in jitters
                     for p in names
                 }
-                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale)
+                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale, tiers)
                 pending.append((run, label, load, scale, replays, oracle))
         task = progress.add_task("replays", total=sum(len(p[4]) for p in pending))
         plotted = _plotted()
@@ -522,7 +546,7 @@ def run_suite(
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json", view_interval_s, jitters)
+    _write(cells, out_dir / "suite.json", view_interval_s, jitters, tiers)
     return cells
 
 
@@ -633,11 +657,29 @@ def parse_jitter(spec: str) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+def parse_tiers(spec: str) -> tuple[str, ...]:
+    """``hbm,dram,ssd`` -> the tiers every worker keeps, in that order.
+
+    Raises:
+        ValueError: An unknown tier, or no ``hbm``.
+    """
+    return _check_tiers([t.strip().lower() for t in spec.split(",") if t.strip()])
+
+
+def _check_tiers(tiers: Sequence[str]) -> tuple[str, ...]:
+    if bad := [t for t in tiers if t not in ALL_TIERS]:
+        raise ValueError(f"unknown tier {', '.join(bad)}; tiers are {', '.join(ALL_TIERS)}")
+    if "hbm" not in tiers:
+        raise ValueError("tiers must include hbm (where every worker computes)")
+    return tuple(t for t in ALL_TIERS if t in tiers)
+
+
 def _write(
     cells: Sequence[CellResult],
     path: Path,
     view_interval_s: float = 0.0,
     jitter: Sequence[int] = (0,),
+    tiers: Sequence[str] = ALL_TIERS,
 ) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
@@ -648,7 +690,9 @@ def _write(
         "cells": [msgspec.structs.replace(c, prediction=[]) for c in cells],
         "config": {
             name: config_dict(
-                dataclasses.replace(case.config(0), view_interval_s=view_interval_s, jitter=0)
+                dataclasses.replace(
+                    case.config(0, tiers=tiers), view_interval_s=view_interval_s, jitter=0
+                )
             )
             | {"jitter": list(jitter)}
             for name, case in CASES.items()

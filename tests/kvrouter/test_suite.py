@@ -10,10 +10,13 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvrouter.bench.suite import (
+    ALL_TIERS,
     CASES,
     SETS,
     CellResult,
+    _replay,
     parse_jitter,
+    parse_tiers,
     prediction_error,
     run_suite,
     versus_best_peer,
@@ -106,6 +109,40 @@ def test_the_suite_replays_one_load_with_heartbeat_lagged_views(tmp_path: Path) 
     negative = CliRunner().invoke(app, [*out, "--view-interval-ms", "-5"])
     assert negative.exit_code != 0
     assert "view interval must be >= 0" in negative.output
+
+
+def test_the_suite_replays_cells_on_workers_without_kv_offloading(tmp_path: Path) -> None:
+    # vLLM and SGLang keep KV in HBM only unless offloading is configured: the same cells
+    # on such a cluster, a configuration the policies were not tuned on.
+    console = Console(width=200, record=True)
+    args = dict(console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
+                plots=False, loads=["load90"])  # fmt: skip
+    hbm = run_suite(tmp_path, tiers=("hbm",), **args)  # type: ignore[arg-type]
+    tiered = run_suite(tmp_path / "tiered", **args)  # type: ignore[arg-type]
+
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert (
+        written["config"]["groups"]["dram_blocks"],
+        written["config"]["groups"]["ssd_blocks"],
+    ) == (0, 0)
+    both = json.loads((tmp_path / "tiered" / "suite.json").read_text())
+    assert both["config"]["groups"]["dram_blocks"] > 0
+    assert hbm[0].capacity_rps > 0
+    assert tiered[0].capacity_rps > 0
+    # The full groups trace spills past HBM (the quick one does not): with the tiers,
+    # round robin's requests are served some blocks from DRAM; without, none.
+    served = {}
+    for tiers in (ALL_TIERS, ("hbm",)):
+        records, _ = _replay("groups", 1, False, 1.0, "round_robin", tiers=tiers)
+        served[tiers] = sum(r.cached_tokens[1] + r.cached_tokens[2] for r in records)
+    assert served[ALL_TIERS] > 0
+    assert served[("hbm",)] == 0
+    assert parse_tiers("HBM, ssd") == ("hbm", "ssd")
+    out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
+    for bad, says in (("dram,ssd", "tiers must include hbm"), ("hbm,nvme", "unknown tier nvme")):
+        refused = CliRunner().invoke(app, [*out, "--tiers", bad])
+        assert refused.exit_code != 0
+        assert says in refused.output
 
 
 def test_the_suite_replays_seeds_no_stored_table_holds(tmp_path: Path) -> None:
