@@ -28,7 +28,10 @@ within seconds, not only once a window has passed: a burst of one-off
 documents at 10 per second brings the probability to 0.1 in ~10 s.
 
 A worker's expected demand is its homes that returned (each is coming back)
-plus the return probability times those still waiting for a first return.
+plus the return probability times those still waiting for a first return;
+the blocks of those waiting homes, weighed likewise, are cache they are
+expected to make live (``pending_blocks``: ``kv_ttft``'s displacement term
+protects them as it protects blocks already reused).
 Time comes from the caller (``now``); nothing here reads a clock.
 """
 
