@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from indexer.media import MEDIA
 from kvrouter.bench.compare import config_dict
 from kvrouter.bench.report import (
     PolicySummary,
@@ -89,8 +90,9 @@ __all__ = [
 #: (label, fraction of measured capacity) of the generated workloads.
 LOADS: tuple[tuple[str, float], ...] = (("light", 0.3), ("load70", 0.7), ("load90", 0.9))
 
-#: The KV tiers a case's workers have, unless ``--tiers`` takes some away.
-ALL_TIERS: tuple[str, ...] = ("hbm", "dram", "ssd")
+#: The KV tiers a case's workers have (the media's wire names), unless ``--tiers``
+#: takes some away.
+ALL_TIERS: tuple[str, ...] = tuple(m.value for m in MEDIA)
 
 #: Loads of the production-shaped workloads: moderate, busy, and saturated.
 PRODUCTION_LOADS: tuple[tuple[str, float], ...] = (
