@@ -14,6 +14,10 @@ Packaged profiles:
   KV-read terms from FLOP and byte counts at stated effective rates; the load
   bandwidths from PCIe Gen5 host-to-device and NVMe read figures;
   ``max_num_batched_tokens`` is vLLM's default for the API server on an H100.
+* ``llama3_8b_a100``: the same model on one A100-SXM4-80GB, from the same fit's
+  A100 coefficients and the same method (about 3x the H100's prefill time and
+  2x its decode step); with it ``kvrouter bench sim --profile
+  llama3_8b_h100,llama3_8b_a100`` replays a trace on a mixed fleet.
 """
 
 from __future__ import annotations

@@ -40,6 +40,22 @@ def test_default_profile_predicts_what_an_h100_serving_llama3_8b_does() -> None:
     assert 0.005 < profile.decode_seconds(64, 64 * 2048) < 0.05
 
 
+def test_the_a100_profile_serves_the_same_model_slower() -> None:
+    h100, a100 = default_profile(), load_profile("llama3_8b_a100")
+
+    assert a100.kv_bytes_per_token == h100.kv_bytes_per_token
+    # vLLM's API-server default step budget on an A100.
+    assert a100.max_num_batched_tokens == 2048
+    for cited in ("BLIS", "A100-80", "arg_utils.py", "datasheet"):
+        assert cited in a100.source
+    # Against the H100: 2-4x the prefill time (their bf16 peaks are 989 and 312 TFLOP/s),
+    # 1.5-3x the decode step (HBM 3.35 against 2.04 TB/s, and a longer step overhead).
+    for tokens in (512, 4096, 32_768):
+        assert 2.0 < a100.prefill_seconds(tokens) / h100.prefill_seconds(tokens) < 4.0
+    assert 1.5 < a100.decode_seconds(64, 64 * 2048) / h100.decode_seconds(64, 64 * 2048) < 3.0
+    assert a100.load_seconds(8192, Medium.DRAM) > h100.load_seconds(8192, Medium.DRAM)
+
+
 def test_loading_a_cached_prefix_beats_recomputing_it_and_dram_beats_ssd() -> None:
     profile = default_profile()
     prefix = 8192
