@@ -189,7 +189,13 @@ def sim(
     time_scale: Annotated[float, typer.Option(help="Arrival rate multiplier.")] = 1.0,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     model: Annotated[str, typer.Option(help="Model name (root of block keys).")] = "llama3-8b",
-    profile: Annotated[str, typer.Option(help="Packaged profile name or file.")] = DEFAULT_PROFILE,
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="Packaged profile name or file; several, comma-separated: a mixed fleet "
+            "(the workers take them in turn)."
+        ),
+    ] = DEFAULT_PROFILE,
     hbm_blocks: Annotated[int | None, typer.Option(help="HBM blocks/worker [H100].")] = None,
     dram_blocks: Annotated[int | None, typer.Option(help="DRAM blocks/worker [64 GB].")] = None,
     ssd_blocks: Annotated[int | None, typer.Option(help="SSD blocks/worker [256 GB].")] = None,
@@ -220,12 +226,13 @@ def sim(
     records = _load(trace, limit)
     try:
         names = parse_policies(policies)
-        timing = load_profile(profile)
+        timings = [load_profile(name.strip()) for name in profile.split(",")]
         config = SimConfig(
             workers=workers,
             block_size=block_size,
             model=model,
-            profile=timing,
+            profile=timings[0],
+            worker_profiles=tuple(timings) if len(timings) > 1 else (),
             hbm_blocks=hbm_blocks,
             dram_blocks=dram_blocks,
             ssd_blocks=ssd_blocks,

@@ -70,9 +70,12 @@ def describe_trace(records: Sequence[TraceRecord]) -> str:
 def config_dict(config: SimConfig) -> dict[str, object]:
     """The cluster's settings as JSON-ready values (the profile by name, tiers in blocks)."""
     out: dict[str, object] = {
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "profile"
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in ("profile", "worker_profiles")
     }
     out["profile"] = config.profile.name
+    out["worker_profiles"] = [p.name for p in config.worker_profiles]
     cap = config.capacity()
     out["capacity_blocks"] = {"hbm": cap.hbm, "dram": cap.dram, "ssd": cap.ssd}
     return out

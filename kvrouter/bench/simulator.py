@@ -115,7 +115,11 @@ class SimConfig:
         workers: Workers (hosts ``w0``, ``w1``... zero-padded).
         block_size: Tokens per KV block (B).
         model: Served model name (the root of the block keys).
-        profile: Timing profile of every worker.
+        profile: Timing profile of every worker (but those ``worker_profiles`` names).
+        worker_profiles: A mixed fleet: the timing profiles of the mixed workers ``w0``,
+            ``w1``... in turn (cycled: ``(h100, a100)`` makes every other worker an
+            A100); empty: every worker has ``profile``. Each worker's view publishes its
+            own, as a heartbeat does. Prefill and decode workers keep ``profile``.
         hbm_blocks: HBM blocks per worker (None: :data:`HBM_KV_BYTES` worth).
         dram_blocks: DRAM blocks per worker (None: :data:`DRAM_KV_BYTES` worth; 0: no tier).
         ssd_blocks: SSD blocks per worker (None: :data:`SSD_KV_BYTES` worth; 0: no tier).
@@ -146,6 +150,7 @@ class SimConfig:
     block_size: int = 16
     model: str = "llama3-8b"
     profile: TimingProfile = field(default_factory=default_profile)
+    worker_profiles: tuple[TimingProfile, ...] = ()
     hbm_blocks: int | None = None
     dram_blocks: int | None = None
     ssd_blocks: int | None = None
@@ -180,6 +185,13 @@ class SimConfig:
             raise ValueError(f"pd must be never, always or auto, got {self.pd!r}")
         if not (math.isfinite(self.transfer_bandwidth) and self.transfer_bandwidth > 0):
             raise ValueError(f"transfer_bandwidth must be positive, got {self.transfer_bandwidth}")
+        for other in self.worker_profiles:
+            if other.kv_bytes_per_token != self.profile.kv_bytes_per_token:
+                raise ValueError(
+                    f"worker profile {other.name!r} holds {other.kv_bytes_per_token} KV bytes "
+                    f"per token, {self.profile.name!r} {self.profile.kv_bytes_per_token}: a "
+                    "mixed fleet serves one model"
+                )
         if self.hbm_blocks is not None and self.hbm_blocks < 1:
             raise ValueError(f"hbm_blocks must be >= 1, got {self.hbm_blocks}")
         for name in ("dram_blocks", "ssd_blocks"):
@@ -208,12 +220,20 @@ class SimConfig:
             ssd=pick(self.ssd_blocks, SSD_KV_BYTES),
         )
 
-    def effective_profile(self) -> TimingProfile:
-        """The profile with the step budget the schedulers use."""
+    def effective_profile(self, profile: TimingProfile | None = None) -> TimingProfile:
+        """``profile`` (default: :attr:`profile`) with the step budget the schedulers use."""
+        profile = self.profile if profile is None else profile
         budget = self.max_num_batched_tokens
-        if budget is None or budget == self.profile.max_num_batched_tokens:
-            return self.profile
-        return msgspec.structs.replace(self.profile, max_num_batched_tokens=budget)
+        if budget is None or budget == profile.max_num_batched_tokens:
+            return profile
+        return msgspec.structs.replace(profile, max_num_batched_tokens=budget)
+
+    def profile_of(self, slot: int, role: Role = Role.BOTH) -> TimingProfile:
+        """The effective profile of the ``slot``-th worker of ``role`` (see ``worker_profiles``)."""
+        mixed = self.worker_profiles
+        if role is Role.BOTH and mixed:
+            return self.effective_profile(mixed[slot % len(mixed)])
+        return self.effective_profile()
 
 
 @dataclass(slots=True)
@@ -269,6 +289,9 @@ class _Worker:
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
     pulling: int = 0
     role: Role = Role.BOTH
+    #: Its timing profile (the step budget applied): what its runner models and its
+    #: view publishes.
+    profile: TimingProfile = field(default_factory=default_profile)
 
 
 @dataclass(slots=True)
@@ -311,11 +334,7 @@ class _Cluster:
         self.capacity = config.capacity()
         self.root = root_parent(config.model)
         self.prompts = PromptFactory(config.block_size, self.root, vocab_size=config.vocab_size)
-        sched = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.profile.max_num_batched_tokens,
-            max_model_len=_max_model_len(trace, config),
-        )
+        max_model_len = _max_model_len(trace, config)
         rng = random.Random(config.seed)
         self.workers: list[_Worker] = []
         for prefix, count, role in (
@@ -325,16 +344,24 @@ class _Cluster:
         ):
             width = len(str(max(count - 1, 0)))
             for i in range(count):
+                profile = config.profile_of(i, role)
+                sched = SchedulerConfig(
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=profile.max_num_batched_tokens,
+                    max_model_len=max_model_len,
+                )
                 pool = BlockPool(self.capacity)
                 try:
                     scheduler = Scheduler(sched, pool, config.block_size)
                 except ValueError as exc:
                     raise SimulationError(str(exc)) from exc
-                runner = SimRunner(self.profile, config.block_size, vocab_size=config.vocab_size)
+                runner = SimRunner(profile, config.block_size, vocab_size=config.vocab_size)
                 epoch = rng.getrandbits(62)
                 host = f"{prefix}{i:0{width}d}"
                 slot = len(self.workers)
-                self.workers.append(_Worker(slot, host, pool, scheduler, runner, epoch, role=role))
+                self.workers.append(
+                    _Worker(slot, host, pool, scheduler, runner, epoch, role=role, profile=profile)
+                )
         self.by_host = {w.host: w for w in self.workers}
         self.index = MemoryIndex()
         self.pending: deque[tuple[float, EventBatch]] = deque()
@@ -401,7 +428,7 @@ class _Cluster:
             kv_used_blocks=w.pool.usage(),
             transfer_bandwidth=self.config.transfer_bandwidth,
             role=w.role,
-            profile=self.profile,
+            profile=w.profile,
             ts=now,
         )
 

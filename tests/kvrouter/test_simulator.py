@@ -6,11 +6,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
 from engine_worker.profiles import default_profile
 from indexer.keys import block_keys, root_parent
+from indexer.profile import TimingProfile
 from kvrouter.bench.oracle import LruOracle, oracle_bound
 from kvrouter.bench.report import summarize
 from kvrouter.bench.simulator import (
@@ -151,6 +153,59 @@ def test_one_request_on_an_idle_cluster_takes_the_profiles_step_times() -> None:
     assert rec.ttft_s == pytest.approx(prefill)
     assert rec.finish_s == pytest.approx(prefill + decode_1 + decode_2)
     assert rec.output_tokens == 3
+
+
+def slower(profile: TimingProfile, factor: float, name: str) -> TimingProfile:
+    """``profile`` with every compute coefficient ``factor`` times larger (same model)."""
+    return msgspec.structs.replace(
+        profile,
+        name=name,
+        prefill=tuple(c * factor for c in profile.prefill),
+        decode=tuple(c * factor for c in profile.decode),
+    )
+
+
+def test_a_mixed_fleet_runs_and_publishes_each_workers_own_profile() -> None:
+    fast = default_profile()
+    slow = slower(fast, 3.0, "slow")
+    config = SimConfig(
+        workers=4, hbm_blocks=200, dram_blocks=0, ssd_blocks=0, worker_profiles=(fast, slow)
+    )
+    # Round robin sends one prompt to each worker: w1 and w3 take three times as long.
+    trace = [TraceRecord(i * 10_000, 1000, 2, [10 * i + 1, 10 * i + 2]) for i in range(4)]
+    records = sorted(run(trace, "round_robin", config).records, key=lambda r: r.worker)
+    assert [r.worker for r in records] == ["w0", "w1", "w2", "w3"]
+    ttft = [r.ttft_s for r in records]
+    assert ttft[0] == pytest.approx(fast.step_seconds([(1000, 0)], 0, 0))
+    assert ttft[1] == pytest.approx(slow.step_seconds([(1000, 0)], 0, 0))
+    assert ttft[1] == pytest.approx(3 * ttft[0])  # type: ignore[operator]
+    assert ttft[2:] == pytest.approx(ttft[:2])
+    # kv_ttft reads each view's profile: on an idle fleet a cold prompt goes to a fast one.
+    swapped = dataclasses.replace(config, worker_profiles=(slow, fast))
+    (rec,) = run(trace[:1], "kv_ttft", swapped).records
+    assert rec.worker in ("w1", "w3")
+    assert rec.ttft_s == pytest.approx(ttft[0])
+
+
+def test_a_mixed_fleet_serves_one_model() -> None:
+    other = msgspec.structs.replace(default_profile(), name="70b", kv_bytes_per_token=327_680)
+    with pytest.raises(ValueError, match="a mixed fleet serves one model"):
+        SimConfig(worker_profiles=(default_profile(), other))
+
+
+def test_sim_command_takes_a_mixed_fleet(tmp_path: Path) -> None:
+    slow = slower(default_profile(), 2.0, "slow")
+    (tmp_path / "slow.json").write_bytes(msgspec.json.encode(slow))
+    trace_path = tmp_path / "g.jsonl"
+    write_trace(trace_path, generate(GROUPS, seed=1))
+    args = ["bench", "sim", "--trace", str(trace_path), "--workers", "2", "--hbm-blocks", "400"]
+    args += ["--profile", f"llama3_8b_h100,{tmp_path / 'slow.json'}", "--policies", "kv_ttft"]
+    args += ["--json", str(tmp_path / "r.json"), "--limit", "15"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["worker_profiles"] == ["llama3_8b_h100", "slow"]
+    assert report["summaries"][0]["completed"] == 15
 
 
 def test_a_repeated_prompt_hits_the_cache_on_the_same_worker() -> None:
