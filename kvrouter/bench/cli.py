@@ -366,6 +366,13 @@ def suite(
             "offloading, as vLLM and SGLang run by default."
         ),
     ] = "hbm,dram,ssd",
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="Timing profile of the workers (packaged name or file); several, "
+            "comma-separated: a mixed fleet (e.g. llama3_8b_h100,llama3_8b_a100)."
+        ),
+    ] = DEFAULT_PROFILE,
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -390,6 +397,7 @@ def suite(
             plots=plots, loads=[x for x in load.split(",") if x],
             view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
             jitter=parse_jitter(jitter), tiers=parse_tiers(tiers),
+            profiles=[p.strip() for p in profile.split(",") if p.strip()],
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from engine_worker.profiles import default_profile, load_profile
 from indexer.media import MEDIA
 from kvrouter.bench.compare import config_dict
 from kvrouter.bench.report import (
@@ -115,12 +116,19 @@ class SuiteCase:
     loads: tuple[tuple[str, float], ...] = LOADS
 
     def config(
-        self, seed: int, time_scale: float = 1.0, tiers: Sequence[str] = ALL_TIERS
+        self,
+        seed: int,
+        time_scale: float = 1.0,
+        tiers: Sequence[str] = ALL_TIERS,
+        profiles: Sequence[str] = (),
     ) -> SimConfig:
         """The simulated cluster of this case; its workers lack the lower tiers (DRAM,
         SSD) that ``tiers`` leaves out (HBM-only workers: vLLM or SGLang without KV
-        offloading)."""
+        offloading), and with several ``profiles`` (packaged names or files) they are a
+        mixed fleet, taking them in turn."""
         return SimConfig(
+            profile=load_profile(profiles[0]) if profiles else default_profile(),
+            worker_profiles=tuple(load_profile(p) for p in profiles) if len(profiles) > 1 else (),
             workers=self.workers,
             hbm_blocks=self.hbm_blocks,
             dram_blocks=self.dram_blocks if "dram" in tiers else 0,
@@ -233,12 +241,17 @@ def _trace(name: str, seed: int, quick: bool) -> list[TraceRecord]:
 
 
 def _capacity(
-    name: str, seed: int, quick: bool, tiers: Sequence[str] = ALL_TIERS
+    name: str,
+    seed: int,
+    quick: bool,
+    tiers: Sequence[str] = ALL_TIERS,
+    profiles: Sequence[str] = (),
 ) -> tuple[float, float]:
     """(capacity, natural rate) of a run, in requests/s."""
     trace = _trace(name, seed, quick)
     span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
-    capacity = measure_capacity(trace, _case(name, quick).config(seed, tiers=tiers))
+    config = _case(name, quick).config(seed, tiers=tiers, profiles=profiles)
+    capacity = measure_capacity(trace, config)
     return capacity, len(trace) / max(span, 1e-9)
 
 
@@ -255,19 +268,26 @@ def _replay(
     view_interval_s: float = 0.0,
     jitter: int = 0,
     tiers: Sequence[str] = ALL_TIERS,
+    profiles: Sequence[str] = (),
 ) -> _Replayed:
     trace = _trace(name, seed, quick)
-    config = _case(name, quick).config(seed, time_scale, tiers)
+    config = _case(name, quick).config(seed, time_scale, tiers, profiles)
     config = dataclasses.replace(config, view_interval_s=view_interval_s, jitter=jitter)
     result = simulate(trace, build_policy(policy, seed=seed), config)
     return result.records, result.busy_s
 
 
 def _oracle(
-    name: str, seed: int, quick: bool, time_scale: float, tiers: Sequence[str] = ALL_TIERS
+    name: str,
+    seed: int,
+    quick: bool,
+    time_scale: float,
+    tiers: Sequence[str] = ALL_TIERS,
+    profiles: Sequence[str] = (),
 ) -> float:
     trace = _trace(name, seed, quick)
-    return trace_oracle(trace, _case(name, quick).config(seed, time_scale, tiers)).hit_rate
+    config = _case(name, quick).config(seed, time_scale, tiers, profiles)
+    return trace_oracle(trace, config).hit_rate
 
 
 # -- results ------------------------------------------------------------------------------
@@ -421,6 +441,7 @@ def run_suite(
     seeds: Sequence[int] = (),
     jitter: Sequence[int] = (0,),
     tiers: Sequence[str] = ALL_TIERS,
+    profiles: Sequence[str] = (),
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -447,11 +468,17 @@ def run_suite(
             leaving out ``dram`` and ``ssd`` replays every cell on workers without KV
             offloading, a cluster the policies were not tuned on. Capacity, loads and
             the oracle are measured on that cluster.
+        profiles: Timing profiles (packaged names or files): one replaces the H100
+            profile of every worker, several make every case a mixed fleet whose
+            workers take them in turn (``SimConfig.worker_profiles``; e.g.
+            ``llama3_8b_h100,llama3_8b_a100``: every other worker an A100). Capacity,
+            loads and the oracle are measured on that fleet.
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
             negative view interval, seed or jitter, no jitter, tiers without ``hbm`` or
-            with an unknown name.
+            with an unknown name; a profile that does not load, or profiles of
+            different models.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -482,6 +509,8 @@ def run_suite(
     if not jitters:
         raise ValueError("no jitter to replay under (0 replays the trace as it is)")
     tiers = _check_tiers(tiers)
+    profiles = tuple(profiles)
+    CASES[next(iter(CASES))].config(0, profiles=profiles)  # refuse a bad fleet up front
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
@@ -492,7 +521,7 @@ def run_suite(
     )
     with ProcessPoolExecutor(workers) as pool, Progress(*columns, console=console) as progress:
         runs = [
-            _Run(s, c, seed, pool.submit(_capacity, c, seed, quick, tiers))
+            _Run(s, c, seed, pool.submit(_capacity, c, seed, quick, tiers, profiles))
             for s, c, seed in selected
         ]
         pending: list[_Pending] = []
@@ -504,12 +533,21 @@ def run_suite(
                 scale = load * capacity / natural
                 replays: dict[tuple[str, int], Future[_Replayed]] = {
                     (p, k): pool.submit(
-                        _replay, run.case, run.seed, quick, scale, p, view_interval_s, k, tiers
+                        _replay,
+                        run.case,
+                        run.seed,
+                        quick,
+                        scale,
+                        p,
+                        view_interval_s,
+                        k,
+                        tiers,
+                        profiles,
                     )
                     for k in jitters
                     for p in names
                 }
-                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale, tiers)
+                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale, tiers, profiles)
                 pending.append((run, label, load, scale, replays, oracle))
         task = progress.add_task("replays", total=sum(len(p[4]) for p in pending))
         plotted = _plotted()
@@ -548,7 +586,7 @@ def run_suite(
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json", view_interval_s, jitters, tiers)
+    _write(cells, out_dir / "suite.json", view_interval_s, jitters, tiers, profiles)
     return cells
 
 
@@ -682,6 +720,7 @@ def _write(
     view_interval_s: float = 0.0,
     jitter: Sequence[int] = (0,),
     tiers: Sequence[str] = ALL_TIERS,
+    profiles: Sequence[str] = (),
 ) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
@@ -693,7 +732,9 @@ def _write(
         "config": {
             name: config_dict(
                 dataclasses.replace(
-                    case.config(0, tiers=tiers), view_interval_s=view_interval_s, jitter=0
+                    case.config(0, tiers=tiers, profiles=profiles),
+                    view_interval_s=view_interval_s,
+                    jitter=0,
                 )
             )
             | {"jitter": list(jitter)}

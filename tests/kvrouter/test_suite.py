@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,32 @@ def test_the_suite_replays_cells_on_workers_without_kv_offloading(tmp_path: Path
         refused = CliRunner().invoke(app, [*out, "--tiers", bad])
         assert refused.exit_code != 0
         assert says in refused.output
+
+
+def test_the_suite_replays_cells_on_a_mixed_fleet(tmp_path: Path) -> None:
+    # Every other worker an A100 (about a third of an H100's prefill speed): capacity is
+    # measured on that fleet, lower than on H100s alone, and the fleet is recorded.
+    console = Console(width=200, record=True)
+    args = dict(console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
+                plots=False, loads=["load90"])  # fmt: skip
+    fleet = ("llama3_8b_h100", "llama3_8b_a100")
+    mixed = run_suite(tmp_path, profiles=fleet, **args)  # type: ignore[arg-type]
+    h100 = run_suite(tmp_path / "h100", **args)  # type: ignore[arg-type]
+
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert written["config"]["groups"]["worker_profiles"] == list(fleet)
+    uniform = json.loads((tmp_path / "h100" / "suite.json").read_text())
+    assert uniform["config"]["groups"]["worker_profiles"] == []
+    assert 0 < mixed[0].capacity_rps < 0.9 * h100[0].capacity_rps
+    # Each worker runs its own profile: w1's requests take longer than w0's.
+    records, _ = _replay("groups", 1, True, 1.0, "round_robin", profiles=fleet)
+    mean = {w: statistics.mean(r.ttft_s or 0.0 for r in records if r.worker == w)
+            for w in ("w0", "w1")}  # fmt: skip
+    assert mean["w1"] > 1.5 * mean["w0"]
+    out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
+    refused = CliRunner().invoke(app, [*out, "--profile", "llama3_8b_h100,b300"])
+    assert refused.exit_code != 0
+    assert "b300" in refused.output
 
 
 def test_the_suite_replays_seeds_no_stored_table_holds(tmp_path: Path) -> None:
