@@ -115,7 +115,8 @@ class SimConfig:
         workers: Workers (hosts ``w0``, ``w1``... zero-padded).
         block_size: Tokens per KV block (B).
         model: Served model name (the root of the block keys).
-        profile: Timing profile of every worker (but those ``worker_profiles`` names).
+        profile: Timing profile of the workers (only of the prefill and decode ones when
+            ``worker_profiles`` is given).
         worker_profiles: A mixed fleet: the timing profiles of the mixed workers ``w0``,
             ``w1``... in turn (cycled: ``(h100, a100)`` makes every other worker an
             A100); empty: every worker has ``profile``. Each worker's view publishes its

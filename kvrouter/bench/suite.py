@@ -510,7 +510,9 @@ def run_suite(
         raise ValueError("no jitter to replay under (0 replays the trace as it is)")
     tiers = _check_tiers(tiers)
     profiles = tuple(profiles)
-    CASES[next(iter(CASES))].config(0, profiles=profiles)  # refuse a bad fleet up front
+    # Loading the fleet here refuses a bad profile name, or a mix of models, before
+    # any replay starts.
+    _case(selected[0][1], quick).config(0, profiles=profiles)
     workers = jobs or os.cpu_count() or 1
     cells: list[CellResult] = []
     columns = (
