@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
@@ -429,13 +431,19 @@ class Worker:
         A ``sim`` worker's steps take its modeled times ``time_scale`` times over, so it
         publishes the profile slowed by that scale: routers then predict in the wall-clock
         time of their own books (routing rates, pulls in flight). At ``time_scale`` 0
-        nothing is modeled in wall time, and it publishes the model's own profile.
+        nothing is modeled in wall time, and it publishes the model's own profile. Either
+        way with the step budget its scheduler runs (``max_num_batched_tokens``), not the
+        one the profile file was written for: a router counts a long prompt's chunks
+        with it.
         """
         profile = self.runner.profile()
+        if self.settings.runner != "sim":
+            return profile
+        budget = self.settings.max_num_batched_tokens
+        if profile.max_num_batched_tokens != budget:
+            profile = msgspec.structs.replace(profile, max_num_batched_tokens=budget)
         scale = self.settings.time_scale
-        if self.settings.runner == "sim" and scale > 0:
-            return profile.slowed(scale)
-        return profile
+        return profile.slowed(scale) if scale > 0 else profile
 
     def load_bandwidth(self) -> dict[Medium, float]:
         """Measured bandwidth (bytes/s) moving KV into HBM, per medium, where measured."""

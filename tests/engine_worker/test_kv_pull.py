@@ -272,9 +272,11 @@ def test_a_sim_workers_pull_takes_and_publishes_the_modeled_time() -> None:
         assert metric(dst, "kv_transfer_bandwidth_bytes_per_second") == pytest.approx(1e9)
         view = httpx.get(f"{dst}/worker/view", headers=AUTH, timeout=10).json()
         assert view["transfer_bandwidth"] == pytest.approx(1e9)
-        # Its steps take twice the modeled time, and so does what it publishes.
-        h100 = default_profile()
+        # Its steps take twice the modeled time, and so does what it publishes, chunked
+        # at the step budget its scheduler runs (128 tokens), not the profile file's.
+        h100 = msgspec.structs.replace(default_profile(), max_num_batched_tokens=128)
         published = msgspec.convert(view["profile"], TimingProfile)
+        assert published.max_num_batched_tokens == 128
         assert published.prefill_seconds(4096) == pytest.approx(2 * h100.prefill_seconds(4096))
         assert published.decode_seconds(8, 8192) == pytest.approx(2 * h100.decode_seconds(8, 8192))
 

@@ -472,12 +472,14 @@ def test_slo_admission_refuses_what_cannot_start_in_time() -> None:
     """With a TTFT bound, a request whose best predicted TTFT is over it gets 429 and
     Retry-After at once instead of a place in a queue; under the bound it is served."""
     with ExitStack() as stack:
-        workers = start_workers(stack, None, 1)
+        # Steps of 4,096 tokens: a 3,000-token prompt prefills in one (at 256 it would
+        # take 12, each with its step overhead, and the worker publishes that).
+        workers = start_workers(stack, None, 1, max_num_batched_tokens=4096)
         gw = start_gateway(
             stack, 1, workers=list(workers.values()), admission_max_ttft_s=1.6,
             discovery_interval_s=0.05,
         )  # fmt: skip
-        # A 3,000-token prompt is predicted at ~1.2 s on this idle worker (the H100
+        # A 3,000-token prompt is predicted at ~1.3 s on this idle worker (the H100
         # profile's ~0.06 s, slowed by its time scale of 20): under the bound, served.
         solo = {"model": MODEL, "prompt": prompt(0, 3000), "max_tokens": 1}
         assert httpx.post(f"{gw}/v1/completions", json=solo, timeout=60).status_code == 200
