@@ -40,6 +40,14 @@ def up(
         bool, typer.Option("--pooling/--no-pooling", help="Workers pull a peer's longer prefix")
     ] = True,
     runner: Annotated[str, typer.Option(help="torch (real model) | sim (timing model)")] = "torch",
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="sim workers' timing profiles, packaged names or files; several, "
+            "comma-separated: a mixed fleet, the workers taking them in turn "
+            "(e.g. llama3_8b_h100,llama3_8b_a100)"
+        ),
+    ] = "",
     model: Annotated[str, typer.Option(help="smollm2 | tiny | .gguf file | HF directory")] = (
         "smollm2"
     ),
@@ -69,6 +77,23 @@ def up(
     if problem is not None:
         typer.echo(f"kvrouter up: {problem}", err=True)
         raise typer.Exit(code=2)
+    profiles = [p.strip() for p in profile.split(",") if p.strip()]
+    if profiles:
+        from engine_worker.profiles import ProfileError, load_profile
+
+        if runner != "sim":
+            typer.echo("kvrouter up: --profile sets the sim runner's timing model; "
+                       "add --runner sim", err=True)  # fmt: skip
+            raise typer.Exit(code=2)
+        try:
+            kinds = {load_profile(p).kv_bytes_per_token for p in profiles}
+        except ProfileError as exc:
+            typer.echo(f"kvrouter up: {exc}", err=True)
+            raise typer.Exit(code=2) from exc
+        if len(kinds) > 1:
+            typer.echo("kvrouter up: the profiles are of different models (KV bytes per "
+                       "token differ); a fleet serves one model", err=True)  # fmt: skip
+            raise typer.Exit(code=2)
     configure_logging("up", "info")
     console = Console(stderr=True)
     embedded = None if redis else EmbeddedRedis()
@@ -123,6 +148,8 @@ def up(
                 "--name", f"worker-{i}", "--role", role,
                 "--hbm-blocks", str(hbm_blocks), "--dram-blocks", str(dram_blocks),
             ]  # fmt: skip
+            if profiles:
+                args += ["--profile", profiles[i % len(profiles)]]
             if ssd_blocks:
                 ssd_dir = log_dir / f"ssd-worker-{i}"
                 args += ["--ssd-blocks", str(ssd_blocks), "--ssd-path", str(ssd_dir)]

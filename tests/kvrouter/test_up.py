@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,7 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from engine_worker.profiles import load_profile
+from kvrouter.bench.live import cluster_views
+from kvrouter.cli import app
 from kvrouter.embedded_redis import free_port
 from tests.support.servers import free_port_run, wait_http
 
@@ -47,13 +52,13 @@ def started(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path
                 proc.kill()
 
 
-def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+def start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int, Path]:
     port = free_port()
     log = tmp_path / "up.log"
     args = [
         sys.executable, "-m", "kvrouter", "up", "--workers", "2", "--runner", "sim",
         "--model", "tiny", "--port", str(port), "--worker-port", str(free_port_run(2)),
-        "--indexer-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
+        "--indexer-port", str(free_port()), "--log-dir", str(tmp_path / "logs"), *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -135,3 +140,40 @@ def test_killing_up_takes_its_children_with_it(
     proc.kill()
     proc.wait(10)
     assert wait_gone(children) == []
+
+
+def test_up_starts_a_mixed_fleet_of_sim_workers(tmp_path: Path, redis_url: str) -> None:
+    # Every other worker an A100: each publishes its own timing model, which the gateway
+    # routes on.
+    fleet = "llama3_8b_h100,llama3_8b_a100"
+    proc, port, _ = start_up(tmp_path, "--profile", fleet, "--redis", redis_url)
+    try:
+        views = {v.host: v for v in asyncio.run(cluster_views(redis_url))}
+        assert sorted(views) == ["worker-0", "worker-1"]
+        h100, a100 = (views[h].profile for h in ("worker-0", "worker-1"))
+        assert h100 is not None
+        assert a100 is not None
+        want = load_profile("llama3_8b_a100").prefill[1] / load_profile("llama3_8b_h100").prefill[1]
+        assert a100.prefill[1] / h100.prefill[1] == pytest.approx(want)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "hello there", "max_tokens": 3},
+            timeout=30,
+        )
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--profile", "llama3_8b_a100"], "add --runner sim"),
+        (["--runner", "sim", "--profile", "llama3_8b_h100,b300"], "b300"),
+    ],
+)
+def test_up_refuses_a_fleet_it_cannot_start(args: list[str], says: str) -> None:
+    result = CliRunner().invoke(app, ["up", *args])
+    assert result.exit_code == 2
+    assert says in result.output
