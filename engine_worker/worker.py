@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
@@ -439,9 +437,7 @@ class Worker:
         profile = self.runner.profile()
         if self.settings.runner != "sim":
             return profile
-        budget = self.settings.max_num_batched_tokens
-        if profile.max_num_batched_tokens != budget:
-            profile = msgspec.structs.replace(profile, max_num_batched_tokens=budget)
+        profile = profile.with_step_budget(self.settings.max_num_batched_tokens)
         scale = self.settings.time_scale
         return profile.slowed(scale) if scale > 0 else profile
 

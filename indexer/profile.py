@@ -109,6 +109,14 @@ class TimingProfile(msgspec.Struct, frozen=True, kw_only=True):
             return 0.0
         return num_tokens * self.kv_bytes_per_token / bw
 
+    def with_step_budget(self, budget: int) -> TimingProfile:
+        """This profile for a scheduler that chunks prefill at ``budget`` tokens a step
+        (itself when that is already its budget): a router counts a long prompt's chunks,
+        and their step overheads, with it."""
+        if budget == self.max_num_batched_tokens:
+            return self
+        return msgspec.structs.replace(self, max_num_batched_tokens=budget)
+
     def slowed(self, factor: float) -> TimingProfile:
         """This profile on hardware ``factor`` times slower: every duration times ``factor``
         (bandwidths divided by it). A ``sim`` worker running at ``time_scale`` publishes

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_PROFILE",
     "ProfileError",
     "default_profile",
+    "load_fleet",
     "load_profile",
     "packaged_profiles",
     "save_profile",
@@ -95,6 +97,27 @@ def load_profile(path_or_name: str | os.PathLike[str]) -> TimingProfile:
     except OSError as exc:
         raise ProfileError(f"cannot read profile file {path}: {exc}") from exc
     return _decode(data, str(path))
+
+
+def load_fleet(names: str | Sequence[str]) -> list[TimingProfile]:
+    """The profiles of a fleet, from names or paths (or one comma-separated string).
+
+    Raises:
+        ProfileError: None given, one does not load, or they are of different models
+            (their KV bytes per token differ: a fleet serves one model).
+    """
+    if isinstance(names, str):
+        names = names.split(",")
+    profiles = [load_profile(n.strip()) for n in names if n.strip()]
+    if not profiles:
+        raise ProfileError("no timing profile given")
+    if len({p.kv_bytes_per_token for p in profiles}) > 1:
+        sizes = ", ".join(f"{p.name} {p.kv_bytes_per_token}" for p in profiles)
+        raise ProfileError(
+            f"the profiles are of different models (KV bytes per token: {sizes}); "
+            "a fleet serves one model"
+        )
+    return profiles
 
 
 def save_profile(profile: TimingProfile, path: str | os.PathLike[str]) -> Path:

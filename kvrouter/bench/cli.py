@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_fleet
 from kvrouter.bench.compare import compare_policies, describe_trace, parse_policies
 from kvrouter.bench.report import (
     BenchReport,
@@ -226,7 +226,7 @@ def sim(
     records = _load(trace, limit)
     try:
         names = parse_policies(policies)
-        timings = [load_profile(name.strip()) for name in profile.split(",")]
+        timings = load_fleet(profile)
         config = SimConfig(
             workers=workers,
             block_size=block_size,

@@ -50,8 +50,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-import msgspec
-
 from engine_worker.block_pool import BlockPool, TierCapacity
 from engine_worker.kv_transfer import import_blocks
 from engine_worker.profiles import default_profile
@@ -225,9 +223,7 @@ class SimConfig:
         """``profile`` (default: :attr:`profile`) with the step budget the schedulers use."""
         profile = self.profile if profile is None else profile
         budget = self.max_num_batched_tokens
-        if budget is None or budget == profile.max_num_batched_tokens:
-            return profile
-        return msgspec.structs.replace(profile, max_num_batched_tokens=budget)
+        return profile if budget is None else profile.with_step_budget(budget)
 
     def profile_of(self, slot: int, role: Role = Role.BOTH) -> TimingProfile:
         """The effective profile of the ``slot``-th worker of ``role`` (see ``worker_profiles``)."""

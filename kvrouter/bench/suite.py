@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine_worker.profiles import default_profile, load_profile
+from engine_worker.profiles import default_profile, load_fleet
 from indexer.media import MEDIA
 from kvrouter.bench.compare import config_dict
 from kvrouter.bench.report import (
@@ -126,9 +126,10 @@ class SuiteCase:
         SSD) that ``tiers`` leaves out (HBM-only workers: vLLM or SGLang without KV
         offloading), and with several ``profiles`` (packaged names or files) they are a
         mixed fleet, taking them in turn."""
+        fleet = load_fleet(profiles) if profiles else [default_profile()]
         return SimConfig(
-            profile=load_profile(profiles[0]) if profiles else default_profile(),
-            worker_profiles=tuple(load_profile(p) for p in profiles) if len(profiles) > 1 else (),
+            profile=fleet[0],
+            worker_profiles=tuple(fleet) if len(fleet) > 1 else (),
             workers=self.workers,
             hbm_blocks=self.hbm_blocks,
             dram_blocks=self.dram_blocks if "dram" in tiers else 0,

@@ -79,21 +79,17 @@ def up(
         raise typer.Exit(code=2)
     profiles = [p.strip() for p in profile.split(",") if p.strip()]
     if profiles:
-        from engine_worker.profiles import ProfileError, load_profile
+        from engine_worker.profiles import ProfileError, load_fleet
 
         if runner != "sim":
             typer.echo("kvrouter up: --profile sets the sim runner's timing model; "
                        "add --runner sim", err=True)  # fmt: skip
             raise typer.Exit(code=2)
         try:
-            kinds = {load_profile(p).kv_bytes_per_token for p in profiles}
+            load_fleet(profiles)
         except ProfileError as exc:
             typer.echo(f"kvrouter up: {exc}", err=True)
             raise typer.Exit(code=2) from exc
-        if len(kinds) > 1:
-            typer.echo("kvrouter up: the profiles are of different models (KV bytes per "
-                       "token differ); a fleet serves one model", err=True)  # fmt: skip
-            raise typer.Exit(code=2)
     configure_logging("up", "info")
     console = Console(stderr=True)
     embedded = None if redis else EmbeddedRedis()

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from engine_worker.profiles import (
     DEFAULT_PROFILE,
     ProfileError,
     default_profile,
+    load_fleet,
     load_profile,
     packaged_profiles,
     save_profile,
@@ -112,3 +114,16 @@ def test_broken_files_are_refused(tmp_path: Path, content: bytes, reason: str) -
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(tmp_path / "absent.json")
+
+
+def test_a_fleet_loads_from_names_and_serves_one_model(tmp_path: Path) -> None:
+    h100, a100 = default_profile(), load_profile("llama3_8b_a100")
+    assert load_fleet("llama3_8b_h100, llama3_8b_a100") == [h100, a100]
+    assert load_fleet(["llama3_8b_a100"]) == [a100]
+    other = save_profile(replace(h100, name="70b", kv_bytes_per_token=327_680), tmp_path / "o.json")
+    with pytest.raises(ProfileError, match="a fleet serves one model"):
+        load_fleet(["llama3_8b_h100", str(other)])
+    with pytest.raises(ProfileError, match="no timing profile"):
+        load_fleet(" , ")
+    with pytest.raises(ProfileError, match="b300"):
+        load_fleet("llama3_8b_h100,b300")
