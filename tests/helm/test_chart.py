@@ -19,6 +19,7 @@ import helm_python
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from engine_worker.profiles import load_profile
 from tests.helm.release import CHART, NAMESPACE, RELEASE, Release, container, env_of, render
 
 KUBE_VERSION = "1.30.0"
@@ -341,6 +342,29 @@ def test_the_sim_runner_needs_no_gpu() -> None:
     torch_no_gpu = container(render({"workers": {"gpu": 0}}).get("StatefulSet", f"{FULL}-worker"))
     assert "resources" not in torch_no_gpu
     assert env_of(torch_no_gpu)["KVWORKER_DEVICE"]["value"] == "cpu"
+
+
+def test_a_pool_may_run_its_own_timing_profile() -> None:
+    """A mixed sim fleet: the pool that sets a profile runs it, the other keeps the shared
+    one; torch workers get none (they fit theirs from measured steps)."""
+    pools = [
+        {"name": "h100", "role": "both", "replicas": 2},
+        {"name": "a100", "role": "both", "replicas": 2, "profile": "llama3_8b_a100"},
+    ]
+    sim = {"runner": "sim", "profile": "llama3_8b_h100", "pools": pools}
+    release = render({"workers": sim})
+    profiles = {
+        pool["name"]: env_of(container(release.get("StatefulSet", f"{FULL}-{pool['name']}")))[
+            "KVWORKER_PROFILE"
+        ]["value"]
+        for pool in pools
+    }
+    assert profiles == {"h100": "llama3_8b_h100", "a100": "llama3_8b_a100"}
+    for name in ("h100", "a100"):
+        assert load_profile(profiles[name]).name == f"llama3_8b_{name}"
+    torch = render({"workers": {"pools": pools}})
+    a100 = env_of(container(torch.get("StatefulSet", f"{FULL}-a100")))
+    assert "KVWORKER_PROFILE" not in a100
 
 
 # -- network ------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ merge key by key (so a pool may set only tiers.ssdBlocks).
 */}}
 {{- define "kvrouter.workerPool" -}}
 {{- $w := .root.Values.workers }}
-{{- $cfg := dict "gpu" $w.gpu "resources" $w.resources "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations "affinity" $w.affinity "tiers" (deepCopy $w.tiers) "ssdVolume" (deepCopy $w.ssdVolume) }}
+{{- $cfg := dict "gpu" $w.gpu "resources" $w.resources "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations "affinity" $w.affinity "tiers" (deepCopy $w.tiers) "ssdVolume" (deepCopy $w.ssdVolume) "profile" $w.profile }}
 {{- range $key, $value := .pool }}
 {{- if and (has $key (list "tiers" "ssdVolume")) (kindIs "map" $value) }}
 {{- range $k, $v := $value }}
