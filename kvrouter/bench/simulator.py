@@ -113,12 +113,12 @@ class SimConfig:
         workers: Workers (hosts ``w0``, ``w1``... zero-padded).
         block_size: Tokens per KV block (B).
         model: Served model name (the root of the block keys).
-        profile: Timing profile of the workers (only of the prefill and decode ones when
-            ``worker_profiles`` is given).
-        worker_profiles: A mixed fleet: the timing profiles of the mixed workers ``w0``,
-            ``w1``... in turn (cycled: ``(h100, a100)`` makes every other worker an
-            A100); empty: every worker has ``profile``. Each worker's view publishes its
-            own, as a heartbeat does. Prefill and decode workers keep ``profile``.
+        profile: Timing profile of the workers (unless ``worker_profiles`` is given).
+        worker_profiles: A mixed fleet: the timing profiles of the workers in turn, in
+            the order ``w0``, ``w1``..., ``p0``..., ``d0``... (cycled: ``(h100, a100)``
+            makes every other worker an A100), as ``kvrouter up --profile`` gives them
+            to the workers it starts; empty: every worker has ``profile``. Each
+            worker's view publishes its own, as a heartbeat does.
         hbm_blocks: HBM blocks per worker (None: :data:`HBM_KV_BYTES` worth).
         dram_blocks: DRAM blocks per worker (None: :data:`DRAM_KV_BYTES` worth; 0: no tier).
         ssd_blocks: SSD blocks per worker (None: :data:`SSD_KV_BYTES` worth; 0: no tier).
@@ -225,12 +225,11 @@ class SimConfig:
         budget = self.max_num_batched_tokens
         return profile if budget is None else profile.with_step_budget(budget)
 
-    def profile_of(self, slot: int, role: Role = Role.BOTH) -> TimingProfile:
-        """The effective profile of the ``slot``-th worker of ``role`` (see ``worker_profiles``)."""
+    def profile_of(self, index: int) -> TimingProfile:
+        """The effective profile of the ``index``-th worker (``w*``, then ``p*``, then
+        ``d*``; see ``worker_profiles``)."""
         mixed = self.worker_profiles
-        if role is Role.BOTH and mixed:
-            return self.effective_profile(mixed[slot % len(mixed)])
-        return self.effective_profile()
+        return self.effective_profile(mixed[index % len(mixed)] if mixed else None)
 
 
 @dataclass(slots=True)
@@ -341,7 +340,8 @@ class _Cluster:
         ):
             width = len(str(max(count - 1, 0)))
             for i in range(count):
-                profile = config.profile_of(i, role)
+                slot = len(self.workers)
+                profile = config.profile_of(slot)
                 sched = SchedulerConfig(
                     max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=profile.max_num_batched_tokens,
@@ -355,7 +355,6 @@ class _Cluster:
                 runner = SimRunner(profile, config.block_size, vocab_size=config.vocab_size)
                 epoch = rng.getrandbits(62)
                 host = f"{prefix}{i:0{width}d}"
-                slot = len(self.workers)
                 self.workers.append(
                     _Worker(slot, host, pool, scheduler, runner, epoch, role=role, profile=profile)
                 )

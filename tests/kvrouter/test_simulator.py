@@ -187,6 +187,26 @@ def test_a_mixed_fleet_runs_and_publishes_each_workers_own_profile() -> None:
     assert rec.ttft_s == pytest.approx(ttft[0])
 
 
+def test_prefill_and_decode_workers_take_the_mixed_fleets_profiles_too() -> None:
+    # As `kvrouter up --profile` hands them out: w*, then p*, then d*, in turn. A fast
+    # prefill pool beside a slow decode pool (Splitwise's split) and the reverse.
+    fast = default_profile()
+    slow = slower(fast, 3.0, "slow")
+    trace = [TraceRecord(5000.0 * i, 3000, 32, list(range(10 * i, 10 * i + 6))) for i in range(3)]
+    pd = SimConfig(
+        workers=0, prefill_workers=1, decode_workers=1, pd="always", hbm_blocks=2000,
+        dram_blocks=0, ssd_blocks=0,
+    )  # fmt: skip
+    same = run(trace, "kv_ttft", pd).records
+    fast_prefill = run(trace, "kv_ttft", dataclasses.replace(pd, worker_profiles=(fast, slow)))
+    slow_prefill = run(trace, "kv_ttft", dataclasses.replace(pd, worker_profiles=(slow, fast)))
+    for base, a, b in zip(same, fast_prefill.records, slow_prefill.records, strict=True):
+        assert (a.prefill_worker, a.worker) == (b.prefill_worker, b.worker) == ("p0", "d0")
+        assert a.tpot_s == pytest.approx(3 * base.tpot_s)  # type: ignore[operator]
+        assert b.tpot_s == pytest.approx(base.tpot_s)
+        assert b.ttft_s > a.ttft_s > base.ttft_s  # type: ignore[operator]
+
+
 def test_a_mixed_fleet_serves_one_model() -> None:
     other = msgspec.structs.replace(default_profile(), name="70b", kv_bytes_per_token=327_680)
     with pytest.raises(ValueError, match="a mixed fleet serves one model"):
