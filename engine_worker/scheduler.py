@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from engine_worker.block_pool import Block, BlockPool
 from engine_worker.request import FinishReason, Request, RequestStatus
@@ -173,6 +174,36 @@ class SchedulerLoad:
     running_kv_tokens: int = 0
     active_blocks: int = 0
     mean_output_tokens: float = 0.0
+
+    def view_fields(self, queued_extra_tokens: int = 0) -> LoadViewFields:
+        """The :class:`~indexer.views.WorkerView` load fields (one mapping for a worker's
+        heartbeat and a simulated worker's view); ``queued_extra_tokens`` adds prefill
+        work the router must count that is not in the queue yet (a pull in progress)."""
+        return LoadViewFields(
+            running=self.running,
+            waiting=self.waiting,
+            queued_prefill_tokens=self.queued_prefill_tokens + queued_extra_tokens,
+            queued_prefill_context=self.queued_prefill_context,
+            queued_taken_blocks=self.queued_taken_blocks,
+            queued_load_blocks=self.queued_load_blocks,
+            running_kv_tokens=self.running_kv_tokens,
+            kv_active_blocks=self.active_blocks,
+            mean_output_tokens=self.mean_output_tokens,
+        )
+
+
+class LoadViewFields(TypedDict):
+    """The :class:`~indexer.views.WorkerView` fields a :class:`SchedulerLoad` gives."""
+
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    queued_prefill_context: int
+    queued_taken_blocks: int
+    queued_load_blocks: dict[Medium, int]
+    running_kv_tokens: int
+    kv_active_blocks: int
+    mean_output_tokens: float
 
 
 #: Weight of the newest finished request in :attr:`SchedulerLoad.mean_output_tokens`.
