@@ -51,7 +51,17 @@ that only ``w`` held) cannot leave without recomputing; they bear the whole
 ``work(w)``, but no more than moving would have cost them (``switching``,
 the compute per second those choices saved)::
 
-    delayed(w) = min(work(w) * affine(w), switching(w)) + (work(w) - least) * (rate(w) - affine(w))
+    delayed(w) = min(work(w) * affine(w), switching(w))
+                 + (work(w) - least(w)) * (rate(w) - affine(w))
+
+On a mixed fleet ``least(w)`` is that least work at ``w``'s own pace (its
+profile's prefill time of the prompt against the least-work worker's): a
+slower GPU gets fewer requests, in proportion to its speed, so its slower
+compute delays the few behind it about as much as the faster GPU's would
+delay its many. Charged the whole speed difference as harm, an idle A100
+looked 15 s dearer than an H100 with a 3 s queue and a 28K-token burst
+prompt waited out that queue (agent, every other worker an A100: p99 1.10x
+Mooncake's). With one GPU kind ``least(w) = least``.
 
 Charging the whole work to the whole rate, as this policy first did, made a
 long prompt cached nowhere look cheapest on the worker chosen least lately,
@@ -313,8 +323,10 @@ class KvTtftPolicy:
         rank: dict[str, tuple[float, int, str]] = {}
         blocks: dict[str, tuple[int, int, int]] = {}
         sources: dict[str, str] = {}
+        paces: dict[str, float] = {}
         for view in workers:
             profile = resolve_profile(view, self.default_profile)
+            paces[view.host] = profile.prefill_seconds(request.num_tokens, 0)
             match = self.speculation.merge(view.host, keys, matches.get(view.host))
             matched = min(match.blocks, len(keys)) if match is not None else 0
             cached, new = split_prompt(request.num_tokens, matched, request.block_size)
@@ -410,17 +422,19 @@ class KvTtftPolicy:
             blocks[view.host] = (matched, pulled, new)
         # The compute this request adds delays those routed behind it on this worker,
         # (routing rate x the time until this prefill ends) requests stretched by the busy
-        # period: by the excess over the least work any worker would spend, or by the whole
-        # work (capped by what moving would cost them) for those bound here by the cache.
-        # An idle worker delays nobody.
-        least = min(s["work_s"] for s in scores.values())
+        # period: by the excess over the least work any worker would spend (at this
+        # worker's pace), or by the whole work (capped by what moving would cost them) for
+        # those bound here by the cache. An idle worker delays nobody.
+        least_host = min(scores, key=lambda h: scores[h]["work_s"])
+        least, least_pace = scores[least_host]["work_s"], paces[least_host]
         for host, s in scores.items():
             rate = self.routed.rate(host, now)
             affine = min(self.affine.rate(host, now), rate)
             work = s["work_s"]
             if self.excess_work:
                 switching = self.switching.rate(host, now)
-                delayed = min(work * affine, switching) + (work - least) * (rate - affine)
+                floor = least if paces[host] == least_pace else least * paces[host] / least_pace
+                delayed = min(work * affine, switching) + max(work - floor, 0.0) * (rate - affine)
             else:
                 delayed = work * rate
             # Requests whose pulled prefix lands here before this prefill ends queue behind

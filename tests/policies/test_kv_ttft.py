@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from msgspec.structs import replace
 
+from engine_worker.profiles import load_profile
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
 from policies.base import Decision, NoWorkerError
@@ -374,6 +375,41 @@ def test_a_huge_prompt_cached_nowhere_is_not_pushed_onto_a_backlogged_worker() -
     assert route(policy) == "steady"
     decision = policy.choose(request(prompt, now=50.01), workers, {})
     assert decision.scores["steady"]["externality_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_slower_gpu_is_not_charged_its_slowness_as_harm_to_others() -> None:
+    # A mixed fleet: an H100 with 120K tokens queued and a nearly idle A100, both taking
+    # traffic. A 28K-token prompt cached nowhere takes ~1 s on the H100, ~3.2 s on the
+    # A100, and its TTFT is lower on the A100. Routed in proportion to their speeds, the
+    # A100's later requests are fewer than the H100's, so ~3.2 s of A100 time delays
+    # them no more than ~1 s of H100 time would delay the H100's: only work beyond the
+    # least any worker would spend, at the candidate's own speed, is charged.
+    a100 = load_profile("llama3_8b_a100")
+    prompt = tokens(28_000, seed=40)
+    workers = [
+        view("h100", queued=120_000, running=4, running_kv=80_000),
+        view("a100", running=1, running_kv=10_000, profile=a100),
+    ]
+
+    def route(matches: dict[str, PrefixMatch]) -> Decision:
+        policy = KvTtftPolicy()
+        for i in range(40):
+            policy.routed.record("h100", i * 0.25)
+            policy.routed.record("a100", i * 0.5)
+        return policy.choose(request(prompt, now=10.0), workers, matches)
+
+    cold = route({})
+    scores = cold.scores
+    assert scores["a100"]["ttft_s"] < scores["h100"]["ttft_s"]
+    assert scores["a100"]["work_s"] > 3 * scores["h100"]["work_s"]
+    # Charged as excess over the H100's work, the A100 cost ~15 s of others' time and
+    # the prompt went to the H100 to wait out its queue.
+    assert scores["a100"]["externality_s"] == pytest.approx(0.0, abs=1e-9)
+    assert cold.worker == "a100"
+    # What the A100 would recompute of a prefix the H100 holds is still charged.
+    held = route({"h100": match("h100", hbm=24_000 // BLOCK)})
+    assert held.scores["a100"]["externality_s"] > 1.0
+    assert held.worker == "h100"
 
 
 def test_pooling_pulls_a_busy_peers_prefix_instead_of_waiting_or_recomputing() -> None:
