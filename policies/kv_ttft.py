@@ -323,10 +323,9 @@ class KvTtftPolicy:
         rank: dict[str, tuple[float, int, str]] = {}
         blocks: dict[str, tuple[int, int, int]] = {}
         sources: dict[str, str] = {}
-        paces: dict[str, float] = {}
+        profiles: dict[str, TimingProfile] = {}
         for view in workers:
-            profile = resolve_profile(view, self.default_profile)
-            paces[view.host] = profile.prefill_seconds(request.num_tokens, 0)
+            profile = profiles[view.host] = resolve_profile(view, self.default_profile)
             match = self.speculation.merge(view.host, keys, matches.get(view.host))
             matched = min(match.blocks, len(keys)) if match is not None else 0
             cached, new = split_prompt(request.num_tokens, matched, request.block_size)
@@ -426,14 +425,20 @@ class KvTtftPolicy:
         # worker's pace), or by the whole work (capped by what moving would cost them) for
         # those bound here by the cache. An idle worker delays nobody.
         least_host = min(scores, key=lambda h: scores[h]["work_s"])
-        least, least_pace = scores[least_host]["work_s"], paces[least_host]
+        least, fastest = scores[least_host]["work_s"], profiles[least_host]
+        least_pace = 0.0
         for host, s in scores.items():
             rate = self.routed.rate(host, now)
             affine = min(self.affine.rate(host, now), rate)
             work = s["work_s"]
             if self.excess_work:
                 switching = self.switching.rate(host, now)
-                floor = least if paces[host] == least_pace else least * paces[host] / least_pace
+                floor = least
+                if profiles[host] is not fastest and profiles[host] != fastest:
+                    # A mixed fleet: the least work at this worker's pace.
+                    least_pace = least_pace or fastest.prefill_seconds(request.num_tokens)
+                    if least_pace > 0:
+                        floor *= profiles[host].prefill_seconds(request.num_tokens) / least_pace
                 delayed = min(work * affine, switching) + max(work - floor, 0.0) * (rate - affine)
             else:
                 delayed = work * rate
