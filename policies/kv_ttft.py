@@ -425,7 +425,7 @@ class KvTtftPolicy:
         # worker's pace), or by the whole work (capped by what moving would cost them) for
         # those bound here by the cache. An idle worker delays nobody.
         least_host = min(scores, key=lambda h: scores[h]["work_s"])
-        least, fastest = scores[least_host]["work_s"], profiles[least_host]
+        least, least_profile = scores[least_host]["work_s"], profiles[least_host]
         least_pace = 0.0
         for host, s in scores.items():
             rate = self.routed.rate(host, now)
@@ -434,9 +434,9 @@ class KvTtftPolicy:
             if self.excess_work:
                 switching = self.switching.rate(host, now)
                 floor = least
-                if profiles[host] is not fastest and profiles[host] != fastest:
+                if profiles[host] is not least_profile and profiles[host] != least_profile:
                     # A mixed fleet: the least work at this worker's pace.
-                    least_pace = least_pace or fastest.prefill_seconds(request.num_tokens)
+                    least_pace = least_pace or least_profile.prefill_seconds(request.num_tokens)
                     if least_pace > 0:
                         floor *= profiles[host].prefill_seconds(request.num_tokens) / least_pace
                 delayed = min(work * affine, switching) + max(work - floor, 0.0) * (rate - affine)
