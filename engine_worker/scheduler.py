@@ -36,6 +36,7 @@ from engine_worker.request import FinishReason, Request, RequestStatus
 from indexer.media import Medium
 
 __all__ = [
+    "LoadViewFields",
     "RequestTooLargeError",
     "ScheduledSeq",
     "Scheduler",
