@@ -46,7 +46,7 @@ import itertools
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -561,14 +561,24 @@ class _Cluster:
             self.start_step(w, now)
 
     def send(self, source: _Worker, transfer: _Transfer, now: float) -> None:
-        """Start moving ``transfer``'s blocks from ``source``; they land after bytes / bandwidth.
+        """Start moving ``transfer``'s blocks from ``source``; they land when both the
+        network and the source's reads are done.
 
+        The source streams blocks as it reads them, so a transfer takes the longer of the
+        network time (bytes / ``transfer_bandwidth``) and the time the source spends reading
+        the blocks off their media at its profile's load bandwidth: a peer's SSD is read no
+        faster than the peer could load it itself (HBM blocks are read at memory speed).
         The source's blocks are read at once (a PD lease holds them; a pooled pull reads
         what the source holds now), so later evictions there do not matter.
         """
+        size = self.config.block_size
         moved = transfer.held - transfer.have
-        size = moved * self.config.block_size * self.profile.kv_bytes_per_token
-        seconds = size / self.config.transfer_bandwidth
+        network = moved * size * self.profile.kv_bytes_per_token / self.config.transfer_bandwidth
+        media = Counter(b.medium for b in source.pool.match_prefix(transfer.keys)[
+            transfer.have : transfer.held
+        ])  # fmt: skip
+        read = sum(source.profile.load_seconds(n * size, m) for m, n in media.items())
+        seconds = max(network, read)
         tid = next(self.transfer_ids)
         self.transfers[tid] = transfer
         heapq.heappush(self.heap, (now + seconds, next(self.tiebreak), -1 - tid))

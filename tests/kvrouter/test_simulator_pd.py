@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from indexer.views import PrefixMatch, WorkerView
+from indexer.views import Medium, PrefixMatch, WorkerView
 from kvrouter.bench.report import RequestRecord, goodput_rps, summarize
 from kvrouter.bench.simulator import SimConfig, SimResult, simulate
 from kvrouter.bench.trace import TraceRecord
@@ -114,6 +114,54 @@ def test_a_pooled_prefix_is_pulled_from_the_peer_before_the_request_runs() -> No
     assert second.ttft_s > moved / 1e9
     assert set(result.in_use_blocks.values()) == {0}
     assert result.index_entries == result.cached_blocks
+
+
+class Scripted:
+    """Routes the n-th request to ``hosts[n]``, pulling from ``sources[n]`` when set."""
+
+    name = "scripted"
+
+    def __init__(self, hosts: Sequence[str], sources: Sequence[str | None]) -> None:
+        self.hosts, self.sources, self.seen = hosts, sources, 0
+
+    def choose(
+        self, request: RouteRequest, workers: Sequence[WorkerView],
+        matches: Mapping[str, PrefixMatch],
+    ) -> Decision:  # fmt: skip
+        host, source = self.hosts[self.seen], self.sources[self.seen]
+        self.seen += 1
+        held = matches[source].blocks if source in matches else 0
+        return Decision(worker=host, policy=self.name, matched_blocks=held, kv_source=source)
+
+
+def test_a_prefix_pulled_off_a_peers_ssd_arrives_no_faster_than_that_ssd_reads() -> None:
+    # w0 computes a 4,096-token prompt, then another that pushes the first out of its
+    # 300-block HBM onto SSD; w1 then pulls the first prompt's blocks from w0. The network
+    # is nearly free, so the pull takes what w0's SSD needs to read 0.5 GB (~90 ms at the
+    # H100 profile's 6 GB/s), not the ~0.5 ms the network alone would.
+    first = TraceRecord(0.0, 4096, 8, list(range(8)))
+    other = TraceRecord(1000.0, 4096, 8, list(range(100, 108)))
+    again = TraceRecord(3000.0, 4096 + 512, 8, [*range(8), 99])
+    config = dataclasses.replace(
+        BASE, workers=2, hbm_blocks=300, ssd_blocks=2000, transfer_bandwidth=1e12
+    )
+    policy = Scripted(["w0", "w0", "w1"], [None, None, "w0"])
+    result = simulate([first, other, again], policy, config)
+    pulled = result.records[2]
+    assert pulled.worker == "w1"
+    assert pulled.cached_tokens[0] == 4096
+    profile = config.effective_profile()
+    ssd_read = profile.load_seconds(4096, Medium.SSD)
+    assert ssd_read > 0.05
+    assert pulled.ttft_s is not None
+    assert pulled.ttft_s >= ssd_read
+    # The same pull from w0's HBM (nothing pushed it out) is bound by the network only.
+    roomy = dataclasses.replace(config, hbm_blocks=2000)
+    fast = simulate([first, other, again], Scripted(["w0", "w0", "w1"], [None, None, "w0"]), roomy)
+    assert fast.records[2].cached_tokens[0] == 4096
+    assert fast.records[2].ttft_s is not None
+    assert fast.records[2].ttft_s < ssd_read / 2
+    assert set(result.in_use_blocks.values()) == {0}
 
 
 class PoolAndWatch(PoolToSecond):
