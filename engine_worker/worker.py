@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -371,8 +372,17 @@ class Worker:
         call. Close the result once sent: the pins are dropped in another."""
         storage = self.storage
         engine = self.engine
+        modeled = self.puller.modeled
+        read = 0.0
 
         def take(s: Scheduler) -> Outgoing:
+            nonlocal read
+            if modeled is not None:
+                # A sim worker's blocks are placeholders: it takes the time its profile
+                # says reading them off DRAM and SSD would (as the offline simulator
+                # times a pull), so a peer's SSD copy is no faster to pull than to load.
+                media = Counter(b.medium for b in s.pool.match_prefix(keys))
+                read = self.runner.profile().blocks_load_seconds(media, self.block_size)
             out = export_pinned(s.pool, storage, self.model_name, self.block_size, keys)
             if release is not None:
                 self.leases.release(s, release)
@@ -386,6 +396,12 @@ class Worker:
                 engine.pool_call(lambda _: unpin())
 
         out.on_close = close
+        if read > 0 and modeled is not None:
+            try:
+                await asyncio.sleep(read * (modeled.time_scale or 1.0))
+            except BaseException:
+                close()  # cancelled while "reading": nothing will be sent, unpin now
+                raise
         self.metrics.transfer_blocks.labels("sent").inc(len(out.payload))
         self.metrics.transfer_bytes.labels("sent").inc(out.nbytes)
         return out

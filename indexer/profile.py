@@ -21,7 +21,7 @@ is reading the KV cache during decode. A medium with no bandwidth entry
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 
@@ -108,6 +108,11 @@ class TimingProfile(msgspec.Struct, frozen=True, kw_only=True):
         if bw is None or num_tokens <= 0:
             return 0.0
         return num_tokens * self.kv_bytes_per_token / bw
+
+    def blocks_load_seconds(self, blocks: Mapping[Medium, int], block_size: int) -> float:
+        """Time to read ``blocks`` (a count per medium) of ``block_size`` tokens off their
+        media (HBM blocks cost nothing): a load into HBM, or a peer reading what it serves."""
+        return sum(self.load_seconds(n * block_size, m) for m, n in blocks.items())
 
     def with_step_budget(self, budget: int) -> TimingProfile:
         """This profile for a scheduler that chunks prefill at ``budget`` tokens a step

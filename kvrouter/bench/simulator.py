@@ -577,7 +577,7 @@ class _Cluster:
         media = Counter(b.medium for b in source.pool.match_prefix(transfer.keys)[
             transfer.have : transfer.held
         ])  # fmt: skip
-        read = sum(source.profile.load_seconds(n * size, m) for m, n in media.items())
+        read = source.profile.blocks_load_seconds(media, size)
         seconds = max(network, read)
         tid = next(self.transfer_ids)
         self.transfers[tid] = transfer

@@ -281,6 +281,34 @@ def test_a_sim_workers_pull_takes_and_publishes_the_modeled_time() -> None:
         assert published.decode_seconds(8, 8192) == pytest.approx(2 * h100.decode_seconds(8, 8192))
 
 
+def test_a_sim_workers_ssd_blocks_are_pulled_no_faster_than_its_ssd_reads() -> None:
+    # As the offline simulator times a pull: the source streams what it reads, so a
+    # prefix on its SSD takes the profile's SSD read time (6 GB/s on the H100 profile),
+    # however fast the network. Without it a peer's SSD copy was cheaper to pull than
+    # to load, and live runs disagreed with offline ones.
+    first = list(range(40, 40 + 64 * 16))
+    other = list(range(5000, 5000 + 64 * 16))
+    keys = block_keys(first, 16, root_parent("tiny"))
+    sim = {"runner": "sim", "max_model_len": 1100, "time_scale": 2.0,
+           "sim_transfer_bandwidth": 1e11}  # fmt: skip
+    source = settings("src", hbm_blocks=80, dram_blocks=0, ssd_blocks=256, **sim)
+    with workers(source, settings("dst", hbm_blocks=128, **sim)) as (src, dst):
+        complete(src, first, max_tokens=1)
+        complete(src, other, max_tokens=1)  # 64 more blocks push the first prompt to SSD
+        held = httpx.get(f"{src}/kv/keys", headers=AUTH, timeout=10).json()["blocks"]
+        on_ssd = len(set(keys) & set(held.get(Medium.SSD.value, [])))
+        assert on_ssd >= 48  # the tail first; the head may stay in HBM
+        r = pull(dst, src, keys)
+        assert r.status_code == 200, r.text
+        assert r.json()["pulled"] == 64
+        ssd_read = on_ssd * 16 * 131072 / 6e9  # >= 17 ms; the network alone: ~1.3 ms
+        assert r.json()["seconds"] >= 2 * ssd_read
+        # What it publishes is still the network's bandwidth (1e11 at time scale 2): the
+        # router adds the peer's reads itself (policies.cost_model.peer_read_seconds).
+        assert metric(dst, "kv_transfer_bandwidth_bytes_per_second") == pytest.approx(5e10)
+        assert in_use(src) == 0
+
+
 def test_pulled_blocks_are_announced_to_the_index(redis_url: str) -> None:
     with workers(settings("src"), settings("dst", redis_url=redis_url)) as (src, dst):
         complete(src)
