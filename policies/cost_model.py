@@ -31,6 +31,7 @@ __all__ = [
     "hbm_room_blocks",
     "load_seconds",
     "memory_wait_seconds",
+    "peer_read_seconds",
     "prefill_context",
     "prefill_seconds",
     "pull_seconds",
@@ -219,15 +220,36 @@ def prefill_seconds(
     return total
 
 
-def pull_seconds(view: WorkerView, profile: TimingProfile, tokens: int) -> float:
+def pull_seconds(
+    view: WorkerView, profile: TimingProfile, tokens: int, read_seconds: float = 0.0
+) -> float:
     """Time for ``view``'s worker to pull ``tokens`` tokens of KV from a peer.
 
-    At the worker's measured transfer bandwidth, else :data:`DEFAULT_TRANSFER_BANDWIDTH`.
+    At the worker's measured transfer bandwidth, else :data:`DEFAULT_TRANSFER_BANDWIDTH`;
+    the peer streams the blocks as it reads them, so a pull takes no less than the
+    ``read_seconds`` the peer spends reading them off its DRAM and SSD
+    (:func:`peer_read_seconds`).
     """
     if tokens <= 0:
         return 0.0
     bandwidth = view.transfer_bandwidth or DEFAULT_TRANSFER_BANDWIDTH
-    return tokens * profile.kv_bytes_per_token / bandwidth
+    return max(tokens * profile.kv_bytes_per_token / bandwidth, read_seconds)
+
+
+def peer_read_seconds(
+    view: WorkerView, profile: TimingProfile, match: PrefixMatch, blocks: int, block_size: int
+) -> float:
+    """Time for the peer ``view`` to read the last ``blocks`` blocks of its cached prefix
+    ``match`` off DRAM and SSD for a pull, at its load bandwidths.
+
+    The match counts its blocks per medium, not where they sit; a worker evicts a
+    prefix from its tail (vLLM's free-block order), so the blocks it still holds in HBM
+    are the first ones and a pull, which takes the tail, is charged the lower tiers
+    first: SSD, then DRAM.
+    """
+    ssd = min(match.on(Medium.SSD), blocks)
+    dram = min(match.on(Medium.DRAM), blocks - ssd)
+    return blocks_load_seconds(view, profile, {Medium.SSD: ssd, Medium.DRAM: dram}, block_size)
 
 
 def load_seconds(

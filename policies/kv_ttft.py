@@ -159,6 +159,7 @@ from policies.cost_model import (
     hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
+    peer_read_seconds,
     prefill_seconds,
     pull_seconds,
     queue_seconds,
@@ -319,6 +320,7 @@ class KvTtftPolicy:
         stretch = 1.0 / max(1.0 - self._busy, 0.1) if self.busy_period else 1.0
         keys = request.block_keys
         holders = self._holders(keys, matches) if self.pooling else []
+        views = {v.host: v for v in workers}
         scores: dict[str, dict[str, float]] = {}
         rank: dict[str, tuple[float, int, str]] = {}
         blocks: dict[str, tuple[int, int, int]] = {}
@@ -371,7 +373,18 @@ class KvTtftPolicy:
                 pooled_cached, pooled_new = split_prompt(
                     request.num_tokens, matched + pulled, request.block_size
                 )
-                pull = pull_seconds(view, profile, pulled * request.block_size)
+                # The peer reads what it keeps on DRAM or SSD as it streams: no faster
+                # than its own loads would be (a peer outside these candidates, e.g. a
+                # decode worker while prefill workers are chosen, read at this one's pace).
+                peer = views.get(source, view)
+                read = peer_read_seconds(
+                    peer,
+                    resolve_profile(peer, self.default_profile),
+                    matches[source],
+                    pulled,
+                    request.block_size,
+                )
+                pull = pull_seconds(view, profile, pulled * request.block_size, read)
                 pooled_prefill = prefill_seconds(profile, pooled_new, pooled_cached, batch, kv)
                 pooled = wait + load + pull + pooled_prefill
                 if pooled < ttft:
@@ -536,12 +549,12 @@ class KvTtftPolicy:
         """The two workers indexed as holding the longest prefixes of ``keys``, and their
         blocks, longest first (then by host name): each candidate's best peer is one of them.
 
-        Only HBM and DRAM blocks count: a peer serves SSD blocks too, but reading them is
-        slower than the network, so they are left to recompute.
+        Blocks on every medium count: a peer serves its DRAM and SSD blocks too, and the
+        pull is priced at the pace it reads them (``peer_read_seconds``).
         """
         held = []
         for peer, m in matches.items():
-            n = min(m.on(Medium.HBM) + m.on(Medium.DRAM), m.blocks, len(keys))
+            n = min(m.blocks, len(keys))
             if n > 0:
                 held.append((-n, peer))
         return [(peer, -negative) for negative, peer in heapq.nsmallest(2, held)]

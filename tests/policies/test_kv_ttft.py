@@ -436,6 +436,41 @@ def test_pooling_pulls_a_busy_peers_prefix_instead_of_waiting_or_recomputing() -
     assert KvTtftPolicy(pooling=True).choose(request(prompt), slow, matches).kv_source is None
 
 
+def test_a_peers_ssd_copy_is_pulled_at_the_pace_that_ssd_reads() -> None:
+    # The Mooncake conversation trace (docs/benchmarks.md, "the issue's own trace"):
+    # a 47K-token history whose holder keeps it on SSD behind a 20K-token queue; an
+    # idle worker would recompute it (~2.4 s). Read off the holder's SSD at 6 GB/s and
+    # streamed, it lands in ~1.0 s (the network alone would take 0.5 s), and the idle
+    # worker computes only the new tokens. SSD holders were once left out of pooling
+    # ("slower than the network"): every such turn recomputed its whole history.
+    prompt = tokens(47_104 + 256, seed=38)
+    system, held = 32, 47_104 // BLOCK
+    workers = [view("holder", queued=20_000), view("idle")]
+    matches = {"holder": match("holder", hbm=system, ssd=held - system)}
+    decision = KvTtftPolicy(pooling=True).choose(request(prompt), workers, matches)
+    assert (decision.worker, decision.kv_source) == ("idle", "holder")
+    idle = decision.scores["idle"]
+    read = (held - system) * BLOCK * KV / PROFILE.load_bandwidth[Medium.SSD]
+    network = 47_104 * KV / DEFAULT_TRANSFER_BANDWIDTH
+    assert read > network
+    assert idle["pull_s"] == pytest.approx(read)
+    assert idle["pulled_blocks"] == held
+    assert idle["ttft_s"] < chunked_seconds(PROFILE, len(prompt)) / 2
+    # A holder outside the candidates (a decode worker while prefill workers are chosen)
+    # is read at the candidate's own pace.
+    alone = KvTtftPolicy(pooling=True).choose(request(prompt), [view("idle")], matches)
+    assert alone.kv_source == "holder"
+    assert alone.scores["idle"]["pull_s"] == pytest.approx(read)
+    # A holder whose SSD reads at 1 GB/s (measured) would take ~6 s: recompute instead.
+    slow = [
+        replace(view("holder", queued=20_000), load_bandwidth={Medium.SSD: 1e9}),
+        view("idle"),
+    ]
+    decision = KvTtftPolicy(pooling=True).choose(request(prompt), slow, matches)
+    assert decision.kv_source is None
+    assert decision.scores["idle"]["cached_tokens"] == 0
+
+
 def _pool_onto_idle(policy: KvTtftPolicy, prompt: list[int]) -> None:
     """Route ``prompt`` while its prefix sits on a backlogged holder: it is pulled to "a"."""
     held = (len(prompt) - 256) // BLOCK
