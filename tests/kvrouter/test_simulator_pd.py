@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from indexer.views import Medium, PrefixMatch, WorkerView
+from indexer.media import Medium
+from indexer.views import PrefixMatch, WorkerView
 from kvrouter.bench.report import RequestRecord, goodput_rps, summarize
 from kvrouter.bench.simulator import SimConfig, SimResult, simulate
 from kvrouter.bench.trace import TraceRecord
@@ -130,7 +131,7 @@ class Scripted:
     ) -> Decision:  # fmt: skip
         host, source = self.hosts[self.seen], self.sources[self.seen]
         self.seen += 1
-        held = matches[source].blocks if source in matches else 0
+        held = matches[source].blocks if source is not None and source in matches else 0
         return Decision(worker=host, policy=self.name, matched_blocks=held, kv_source=source)
 
 
