@@ -488,7 +488,7 @@ class KvTtftPolicy:
         self.routed.record(best, now)
         if self.live is not None:
             # Its matched prefix (pulled blocks included) is reused on ``best``: live there.
-            epoch = next(v.epoch for v in workers if v.host == best)
+            epoch = views[best].epoch
             self.live.touch(best, keys[: matched + pulled], now, epoch)
         # How much this request is bound to its worker: the share of its prompt only that
         # worker held, and the compute per second the choice saved against the next best.
