@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from rich.console import Console
 
 from engine_worker.profiles import DEFAULT_PROFILE, ProfileError, load_fleet
 from kvrouter.bench.compare import compare_policies, describe_trace, parse_policies
+from kvrouter.bench.production import think_time
 from kvrouter.bench.report import (
     BenchReport,
     plot_hit_rates,
@@ -139,11 +141,28 @@ def gen_conversation(
     documents: Annotated[int, typer.Option(help="Shared documents.")] = 200,
     document_share: Annotated[float, typer.Option(help="Sessions opening on a document.")] = 0.12,
     paste_share: Annotated[float, typer.Option(help="Sessions opening with a long paste.")] = 0.5,
+    think_time_s: Annotated[
+        float, typer.Option(help="Median think time before a next turn (log-normal).")
+    ] = 7.0,
+    think_time_sigma: Annotated[float, typer.Option(help="Its log-normal sigma.")] = 0.75,
+    horizon_s: Annotated[
+        float | None, typer.Option(help="Drop turns arriving after this many seconds.")
+    ] = None,
 ) -> None:
-    """Production-shaped multi-turn chat: heavy-tailed prompts (mean ~13K, tail past 100K)."""
+    """Production-shaped multi-turn chat: heavy-tailed prompts (mean ~13K, tail past 100K).
+
+    Think times default to a chatbot trace's (~7 s median); ``--think-time-s 92
+    --think-time-sigma 1.0 --horizon-s 900`` gives the Mooncake conversation trace's
+    returns (~100 s median), the suite's ``returning`` case.
+    """
     values = dict(locals())
-    del values["out"], values["seed"]
-    _write(_build(ConversationWorkload, **values), out, seed)
+    del values["out"], values["seed"], values["think_time_s"], values["think_time_sigma"]
+    values["horizon_s"] = math.inf if horizon_s is None else horizon_s
+    try:
+        think = think_time(think_time_s, think_time_sigma)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _write(_build(ConversationWorkload, think_time_s=think, **values), out, seed)
 
 
 @gen_app.command("mixed")

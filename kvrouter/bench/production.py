@@ -62,7 +62,14 @@ from dataclasses import dataclass
 from kvrouter.bench.streams import TokenStream, WorkloadError, check_positive, shared_stream
 from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord
 
-__all__ = ["ConversationWorkload", "MixedWorkload", "generate_conversation", "generate_mixed"]
+__all__ = [
+    "ConversationWorkload",
+    "LogNormal",
+    "MixedWorkload",
+    "generate_conversation",
+    "generate_mixed",
+    "think_time",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +95,16 @@ class LogNormal:
     def tokens(self, rng: random.Random) -> int:
         """One value rounded to a whole token count (at least ``low``)."""
         return max(round(self.draw(rng)), math.ceil(self.low))
+
+
+def think_time(median_s: float, sigma: float) -> LogNormal:
+    """Log-normal think time between a session's turns, clipped to [1 s, max(10 min,
+    20 x its median)]."""
+    return LogNormal(median_s, sigma, 1.0, max(600.0, 20.0 * median_s))
+
+
+#: A chatbot trace's think time (Alibaba, ATC'25; the module docstring).
+CHAT_THINK_TIME = think_time(7.0, 0.75)
 
 
 def _gamma_gaps(rng: random.Random, rate: float, shape: float) -> Callable[[], float]:
@@ -137,6 +154,11 @@ class ConversationWorkload:
         answer_token_s: Seconds per answer token used to space turns (the answer's duration).
         max_context: A session ends before its prompt plus answer would exceed this.
         popularity: Zipf exponent of app and document popularity.
+        horizon_s: The trace is a window of this many seconds, as a production trace
+            is an hour of traffic: turns that would arrive later are not in it (the
+            default, no limit, keeps every session whole). With think times of minutes,
+            a window keeps the arrival rate steady instead of trailing off in the
+            sessions' last turns long after the last session started.
     """
 
     sessions: int = 900
@@ -153,12 +175,15 @@ class ConversationWorkload:
     paste_tokens: LogNormal = LogNormal(8_500, 1.0, 512, 120_000)
     user_tokens: LogNormal = LogNormal(200, 1.0, 8, 8_000)
     answer_tokens: LogNormal = LogNormal(240, 0.9, 8, 4_096)
-    think_time_s: LogNormal = LogNormal(7.0, 0.75, 1.0, 600.0)
+    think_time_s: LogNormal = CHAT_THINK_TIME
     answer_token_s: float = 0.03
     max_context: int = 131_072
     popularity: float = 1.0
+    horizon_s: float = math.inf
 
     def __post_init__(self) -> None:
+        if not self.horizon_s > 0:
+            raise WorkloadError(f"horizon_s must be > 0, got {self.horizon_s}")
         check_positive(
             sessions=self.sessions,
             session_rate=self.session_rate,
@@ -266,7 +291,10 @@ def generate_conversation(
             if stream.length + message + answer > w.max_context:
                 break
             stream.append(message)
-            out.append(stream.record(at, answer))
+            if at <= w.horizon_s:
+                # Past the window the turn still happens (the draws and hash ids stay
+                # those of the whole trace); it is only not recorded.
+                out.append(stream.record(at, answer))
             stream.append(answer)
             if rng.random() >= go_on:
                 break

@@ -8,10 +8,12 @@ cell in the simulator (a process pool spreads the replays over the cores).
 Two sets of runs, printed apart:
 
 * ``tune`` -- the traces a policy change may be judged on while it is made;
-* ``report`` -- other seeds of the same workloads, and two held-out
-  workloads (``longchat``, ``rag``) from the same families with other
-  parameters, never looked at while tuning. A change that only fits the
-  tuning traces shows as a gap between the two.
+* ``report`` -- other seeds of the same workloads, and three held-out
+  workloads (``longchat``, ``rag``, ``returning``) from the same families with
+  other parameters, never looked at while tuning. A change that only fits the
+  tuning traces shows as a gap between the two. ``returning`` brings sessions
+  back as late as the Mooncake conversation trace does, when their histories
+  have left HBM (:data:`RETURN_THINK_TIME`).
 
 Load is a fraction of the cluster's *capacity*, measured with the simulator
 itself: the trace is replayed with every arrival compressed into its first
@@ -51,6 +53,7 @@ from rich.table import Table
 from engine_worker.profiles import default_profile, load_fleet
 from indexer.media import MEDIA
 from kvrouter.bench.compare import config_dict
+from kvrouter.bench.production import think_time
 from kvrouter.bench.report import (
     PolicySummary,
     RequestRecord,
@@ -78,6 +81,7 @@ __all__ = [
     "CASES",
     "LENGTH_BINS",
     "LOADS",
+    "RETURN_THINK_TIME",
     "SETS",
     "CellResult",
     "SuiteCase",
@@ -101,6 +105,16 @@ PRODUCTION_LOADS: tuple[tuple[str, float], ...] = (
     ("load90", 0.9),
     ("saturated", 1.4),
 )
+
+
+#: Think time of the held-out ``returning`` case, fitted to the public Mooncake
+#: conversation trace (``kvcache-ai/Mooncake``, ``FAST25-release/traces/
+#: conversation_trace.jsonl``), where a conversation's next turn arrives a median of
+#: ~100 s after the turn before it, p90 312-372 s, in windows of 870-985 s
+#: (docs/benchmarks.md). In the case's 900 s window (turns past it are cut, as a
+#: window cuts them), a log-normal think time of median 130 s and sigma 1.2 gives
+#: gaps of median 99-113 s and p90 315-320 s (seeds 2 and 3).
+RETURN_THINK_TIME = think_time(130.0, 1.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +202,15 @@ CASES: dict[str, SuiteCase] = {
                           documents=300, apps=6),
             loads=PRODUCTION_LOADS,
         ),
+        # Sessions that come back as late as the Mooncake conversation trace's do (a turn
+        # a median of ~100 s after the last, p90 ~320 s, against ~16 s in `conversation`):
+        # ~300 requests arrive in between, and a history has often left HBM.
+        SuiteCase(
+            "returning",
+            ConversationWorkload(sessions=1800, session_rate=2.0, think_time_s=RETURN_THINK_TIME,
+                                 horizon_s=900.0),
+            loads=PRODUCTION_LOADS,
+        ),
     )
 }  # fmt: skip
 
@@ -196,7 +219,7 @@ SETS: dict[str, tuple[tuple[str, int], ...]] = {
     "tune": (("chat", 1), ("groups", 1), ("agent", 1), ("conversation", 1), ("mixed", 1)),
     "report": (
         ("chat", 2), ("groups", 2), ("agent", 2), ("conversation", 2), ("conversation", 3),
-        ("mixed", 2), ("mixed", 3), ("longchat", 2), ("rag", 2),
+        ("mixed", 2), ("mixed", 3), ("longchat", 2), ("rag", 2), ("returning", 2),
     ),
 }  # fmt: skip
 

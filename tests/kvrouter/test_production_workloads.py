@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections import defaultdict
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvrouter.bench.production import LogNormal
+from kvrouter.bench.production import LogNormal, think_time
+from kvrouter.bench.suite import CASES
 from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord, read_trace
 from kvrouter.bench.workloads import (
     ConversationWorkload,
@@ -94,6 +96,49 @@ def test_conversation_turns_resend_the_whole_history() -> None:
             assert cur.timestamp > prev.timestamp
 
 
+def _turn_gaps(records: list[TraceRecord], system_blocks: int) -> list[float]:
+    """Seconds between a session's consecutive turns (without shared documents, the
+    first block after the system prompt names the session)."""
+    sessions: dict[int, list[TraceRecord]] = defaultdict(list)
+    for rec in records:
+        sessions[rec.hash_ids[system_blocks]].append(rec)
+    return [
+        (b.timestamp - a.timestamp) / 1e3
+        for turns in sessions.values()
+        for a, b in itertools.pairwise(turns)
+    ]
+
+
+def test_returning_sessions_come_back_as_late_as_in_the_mooncake_trace() -> None:
+    # The suite's held-out `returning` case: Mooncake's conversation trace brings a
+    # session's next turn a median of ~100 s after the last (p90 312-372 s) in windows of
+    # ~900 s; the chatbot think time of `conversation` brings it back within ~16 s.
+    case = CASES["returning"].workload
+    assert isinstance(case, ConversationWorkload)
+    returning = dataclasses.replace(case, document_share=0.0)
+    system_blocks = returning.system_tokens // HASH_BLOCK_TOKENS
+    records = generate(returning, seed=2)
+    gaps = _turn_gaps(records, system_blocks)
+    assert 85 <= statistics.median(gaps) <= 125
+    assert 270 <= statistics.quantiles(gaps, n=10)[-1] <= 400
+    chat = _turn_gaps(generate(dataclasses.replace(CONVERSATION, document_share=0.0), 2), 3)
+    assert statistics.median(chat) < 25
+    # The window cuts the turns past it, so the rate stays steady to the end: the last
+    # fifth of the window carries about a fifth of the requests.
+    assert records[-1].timestamp <= returning.horizon_s * 1e3
+    late = sum(r.timestamp > 0.8 * returning.horizon_s * 1e3 for r in records)
+    assert 0.15 <= late / len(records) <= 0.25
+
+
+def test_a_conversation_window_drops_only_the_turns_past_it() -> None:
+    whole = generate(ConversationWorkload(sessions=200, think_time_s=think_time(60, 1.0)), 5)
+    window = generate(
+        ConversationWorkload(sessions=200, think_time_s=think_time(60, 1.0), horizon_s=150.0), 5
+    )
+    assert window == [r for r in whole if r.timestamp <= 150_000]
+    assert len(window) < len(whole)
+
+
 def test_conversation_documents_are_shared_across_sessions(
     conversation: list[TraceRecord],
 ) -> None:
@@ -141,6 +186,8 @@ def test_mixed_sends_short_and_very_long_prompts_together(mixed: list[TraceRecor
         lambda: ConversationWorkload(turns_mean=0.5),
         lambda: ConversationWorkload(document_share=1.5),
         lambda: ConversationWorkload(max_context=4_096),
+        lambda: ConversationWorkload(horizon_s=0.0),
+        lambda: think_time(0.0, 1.0),
         lambda: MixedWorkload(rate=0.0),
         lambda: MixedWorkload(long_share=-0.1),
         lambda: LogNormal(100, -1.0),
@@ -156,6 +203,20 @@ def test_bad_parameters_are_refused(build: object) -> None:
     ("family", "args", "workload"),
     [
         ("conversation", ["--sessions", "20"], ConversationWorkload(sessions=20)),
+        (
+            "conversation",
+            [
+                "--sessions",
+                "40",
+                "--think-time-s",
+                "130",
+                "--think-time-sigma",
+                "1.2",
+                "--horizon-s",
+                "60",
+            ],
+            ConversationWorkload(sessions=40, think_time_s=think_time(130, 1.2), horizon_s=60),
+        ),
         ("mixed", ["--requests", "50", "--long-share", "0.3"], MixedWorkload(50, long_share=0.3)),
     ],
 )

@@ -31,9 +31,9 @@ def test_the_report_set_holds_other_seeds_and_workloads_never_tuned_on() -> None
     assert not tune & report
     tuned_cases = {case for case, _ in tune}
     held_out = {case for case, _ in report} - tuned_cases
-    assert held_out >= {"longchat", "rag"}
+    assert held_out >= {"longchat", "rag", "returning"}
     # Every production-shaped workload runs at three loads, one past the capacity.
-    for case in ("conversation", "mixed", "longchat", "rag"):
+    for case in ("conversation", "mixed", "longchat", "rag", "returning"):
         loads = [load for _, load in CASES[case].loads]
         assert len(loads) == 3
         assert loads == sorted(loads)
