@@ -151,9 +151,10 @@ def gen_conversation(
 ) -> None:
     """Production-shaped multi-turn chat: heavy-tailed prompts (mean ~13K, tail past 100K).
 
-    Think times default to a chatbot trace's (~7 s median); ``--think-time-s 92
-    --think-time-sigma 1.0 --horizon-s 900`` gives the Mooncake conversation trace's
-    returns (~100 s median), the suite's ``returning`` case.
+    Think times default to a chatbot trace's (~7 s median). ``--sessions 1800
+    --session-rate 2 --think-time-s 130 --think-time-sigma 1.2 --horizon-s 900`` is the
+    suite's ``returning`` case, whose sessions come back as late as the Mooncake
+    conversation trace's (~100 s median).
     """
     values = dict(locals())
     del values["out"], values["seed"], values["think_time_s"], values["think_time_sigma"]
