@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -44,6 +45,8 @@ from kvrouter.bench.workloads import (
 
 __all__ = ["bench_app"]
 
+_T = TypeVar("_T")
+
 bench_app = typer.Typer(
     help="Benchmarks: workload generators, the offline simulator, the policy suite.",
     no_args_is_help=True,
@@ -64,9 +67,10 @@ def _write(workload: Workload, out: Path, seed: int) -> None:
     _console().print(f"wrote {out}: {describe_trace(records)}")
 
 
-def _build(cls: type[Workload], **values: object) -> Workload:
+def _build(make: Callable[..., _T], **values: object) -> _T:
+    """``make(**values)``, a bad value refused as a bad parameter."""
     try:
-        return cls(**values)  # type: ignore[arg-type]
+        return make(**values)
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
@@ -159,10 +163,7 @@ def gen_conversation(
     values = dict(locals())
     del values["out"], values["seed"], values["think_time_s"], values["think_time_sigma"]
     values["horizon_s"] = math.inf if horizon_s is None else horizon_s
-    try:
-        think = think_time(think_time_s, think_time_sigma)
-    except WorkloadError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    think = _build(think_time, median_s=think_time_s, sigma=think_time_sigma)
     _write(_build(ConversationWorkload, think_time_s=think, **values), out, seed)
 
 
