@@ -237,8 +237,12 @@ def sim(
     ] = 12.5,
     seed: Annotated[int, typer.Option(help="Seed of the policies and epochs.")] = 0,
     jitter: Annotated[
-        int, typer.Option(help="k > 0: delay each arrival by a seeded amount under 1 ms.")
-    ] = 0,
+        str,
+        typer.Option(
+            help="Perturbations k (e.g. 3, 0-2, 0,2): k > 0 delays each arrival by a seeded "
+            "amount under 1 ms; several: each policy's medians over the replays."
+        ),
+    ] = "0",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
     limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
@@ -247,6 +251,7 @@ def sim(
     records = _load(trace, limit)
     try:
         names = parse_policies(policies)
+        perturbations = parse_jitter(jitter)
         timings = load_fleet(profile)
         config = SimConfig(
             workers=workers,
@@ -268,7 +273,7 @@ def sim(
             decode_workers=decode_workers,
             pd=pd,  # type: ignore[arg-type]
             transfer_bandwidth=transfer_gbps * 1e9,
-            jitter=jitter,
+            jitter=perturbations[0],
         )
         config.capacity()
     except (ValueError, ProfileError) as exc:
@@ -284,6 +289,7 @@ def sim(
             label=trace.stem,
             json_path=json_out,
             plots=plots,
+            jitter=perturbations,
         )
     except SimulationError as exc:
         console.print(f"[red]simulation failed:[/red] {exc}")

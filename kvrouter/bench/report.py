@@ -156,12 +156,15 @@ def median_summary(runs: Sequence[PolicySummary]) -> PolicySummary:
 
 
 class BenchReport(msgspec.Struct, kw_only=True):
-    """A whole run: what was replayed, on what, the oracle and every policy's summary."""
+    """A whole run: what was replayed, on what, the oracle and every policy's summary
+    (under several arrival perturbations, the medians, with each replay's in ``runs``,
+    in the order of ``config["jitter"]``)."""
 
     trace: str
     config: dict[str, object]
     oracle: dict[str, float] | None
     summaries: list[PolicySummary]
+    runs: list[list[PolicySummary]] = msgspec.field(default_factory=list)
 
 
 def goodput_rps(records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float) -> float:

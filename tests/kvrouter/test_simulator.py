@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import msgspec
@@ -318,3 +319,36 @@ def test_prompt_keys_route_and_cache_under_the_models_root() -> None:
 def test_a_bad_cluster_is_refused(options: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
         SimConfig(**options)  # type: ignore[arg-type]
+
+
+def test_sim_command_reports_medians_over_arrival_perturbations(tmp_path: Path) -> None:
+    # A percentile of one replay is one trajectory's luck: under several perturbations
+    # the report holds each policy's medians and every replay's figures.
+    trace_path = tmp_path / "g.jsonl"
+    write_trace(trace_path, generate(GROUPS, seed=1))
+    args = ["bench", "sim", "--trace", str(trace_path), "--workers", "2", "--hbm-blocks", "400"]
+    args += ["--policies", "kv_ttft,round_robin", "--limit", "40", "--time-scale", "4"]
+    result = CliRunner().invoke(app, [*args, "--jitter", "0-2", "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "median of 3 replays (jitter 0,1,2)" in result.output
+    assert "jitter 2" in result.output  # the per-replay table
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["jitter"] == [0, 1, 2]
+    assert [[s["policy"] for s in run] for run in report["runs"]] == [
+        ["kv_ttft", "round_robin"]
+    ] * 3
+    # Each replay is its own trajectory (these 40 requests' p90 moves with the arrivals).
+    assert len({run[0]["ttft_p90_s"] for run in report["runs"]}) > 1
+    for i, summary in enumerate(report["summaries"]):
+        for q in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
+            assert summary[q] == statistics.median(run[i][q] for run in report["runs"])
+    # One perturbation is one replay, as before: no runs in the report.
+    single = CliRunner().invoke(app, [*args, "--jitter", "1", "--json", str(tmp_path / "s.json")])
+    assert single.exit_code == 0, single.output
+    one = json.loads((tmp_path / "s.json").read_text())
+    assert one["runs"] == []
+    assert one["config"]["jitter"] == 1
+    assert one["summaries"] == report["runs"][1]
+    bad = CliRunner().invoke(app, [*args, "--jitter", "2-1"])
+    assert bad.exit_code != 0
+    assert "runs backwards" in bad.output
