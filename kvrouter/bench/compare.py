@@ -97,10 +97,9 @@ class Comparison:
     oracle: OracleBound
     results: list[SimResult]
     summaries: list[PolicySummary]
-    #: With several perturbations: each one's summaries, in ``jitter`` order (the
-    #: summaries above are their medians, the results the first one's replays).
+    #: With several perturbations: each one's summaries, in the order of the call's
+    #: ``jitter`` (the summaries above are their medians, the results the first one's).
     runs: list[list[PolicySummary]] = dataclasses.field(default_factory=list)
-    jitter: list[int] = dataclasses.field(default_factory=list)
 
     def summary(self, policy: str) -> PolicySummary:
         """The named policy's summary (KeyError if it did not run)."""
@@ -133,11 +132,10 @@ def compare_policies(
     are printed too; the plots are the first perturbation's.
 
     Raises:
-        ValueError: A negative perturbation.
+        ValueError: A negative perturbation (refused by ``SimConfig`` before any replay).
     """
     perturbations = list(dict.fromkeys(jitter)) or [config.jitter]
-    if bad := [k for k in perturbations if k < 0]:
-        raise ValueError(f"jitter must be >= 0, got {', '.join(map(str, bad))}")
+    configs = [dataclasses.replace(config, jitter=k) for k in perturbations]
     builders: list[tuple[str, Callable[[], Policy]]] = [
         (name, functools.partial(build_policy, name, seed=config.seed)) for name in names
     ]
@@ -152,8 +150,7 @@ def compare_policies(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
-        for k in perturbations:
-            run_config = dataclasses.replace(config, jitter=k)
+        for k, run_config in zip(perturbations, configs, strict=True):
             replays: list[SimResult] = []
             for name, build in builders:
                 shown = name if len(perturbations) == 1 else f"{name} (jitter {k})"
@@ -180,7 +177,7 @@ def compare_policies(
             "hit_rate": oracle.hit_rate,
             "unbounded_hit_rate": oracle.unbounded_hit_rate,
         }
-        config_json = config_dict(dataclasses.replace(config, jitter=perturbations[0]))
+        config_json = config_dict(configs[0])
         if several:
             config_json["jitter"] = perturbations
         report = BenchReport(
@@ -198,9 +195,7 @@ def compare_policies(
         }
         plot_ttft_cdf(ttfts, plots / f"{label}_ttft_cdf.png", title=f"{label}: TTFT")
         plot_hit_rates(summaries, plots / f"{label}_hit_rate.png", oracle, title=f"{label}")
-    return Comparison(
-        label, oracle, results, summaries, runs if several else [], perturbations if several else []
-    )
+    return Comparison(label, oracle, results, summaries, runs if several else [])
 
 
 def _render_runs(
