@@ -400,6 +400,13 @@ def suite(
             "comma-separated: a mixed fleet (e.g. llama3_8b_h100,llama3_8b_a100)."
         ),
     ] = DEFAULT_PROFILE,
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated policies to replay (default: all): kv_ttft and its "
+            "peers, e.g. the ones that are ever best, to make --jitter runs shorter."
+        ),
+    ] = "",
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -425,6 +432,7 @@ def suite(
             view_interval_s=view_interval_ms / 1e3, seeds=seed_list,
             jitter=parse_jitter(jitter), tiers=parse_tiers(tiers),
             profiles=[p.strip() for p in profile.split(",") if p.strip()],
+            policies=[p.strip() for p in policies.split(",") if p.strip()],
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

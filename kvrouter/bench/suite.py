@@ -466,6 +466,7 @@ def run_suite(
     jitter: Sequence[int] = (0,),
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
+    policies: Sequence[str] = (),
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -497,19 +498,23 @@ def run_suite(
             workers take them in turn (``SimConfig.worker_profiles``; e.g.
             ``llama3_8b_h100,llama3_8b_a100``: every other worker an A100). Capacity,
             loads and the oracle are measured on that fleet.
+        policies: Replay only these policies (all registered ones when empty):
+            ``kv_ttft`` and at least one peer. The best peer of a cell is then the best
+            of these, so leave out only peers that are never best (with several
+            perturbations a full suite is hours on a small machine).
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
             negative view interval, seed or jitter, no jitter, tiers without ``hbm`` or
             with an unknown name; a profile that does not load, or profiles of
-            different models.
+            different models; unknown policies, or a selection without ``kv_ttft``
+            and a peer.
 
     Returns:
         One result per cell, in set, run and load order.
     """
     started = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = policy_names()
+    names = _check_policies(policies)
     if bad_seeds := [x for x in seeds if x < 0]:
         raise ValueError(f"seeds must be >= 0, got {', '.join(map(str, bad_seeds))}")
     if seeds:
@@ -533,6 +538,7 @@ def run_suite(
     if not jitters:
         raise ValueError("no jitter to replay under (0 replays the trace as it is)")
     tiers = _check_tiers(tiers)
+    out_dir.mkdir(parents=True, exist_ok=True)
     profiles = tuple(profiles)
     # Loading the fleet here refuses a bad profile name, or a mix of models, before
     # any replay starts.
@@ -730,6 +736,20 @@ def parse_tiers(spec: str) -> tuple[str, ...]:
         ValueError: An unknown tier, or no ``hbm``.
     """
     return _check_tiers([t.strip().lower() for t in spec.split(",") if t.strip()])
+
+
+def _check_policies(policies: Sequence[str]) -> list[str]:
+    """The policies a suite replays: all registered ones, or the selection (once each, in
+    the registry's order) when it holds ``kv_ttft`` and a peer to compare it with."""
+    names = policy_names()
+    if not policies:
+        return names
+    if bad := [p for p in policies if p not in names]:
+        raise ValueError(f"unknown policy {', '.join(bad)}; valid: {', '.join(names)}")
+    chosen = [n for n in names if n in policies]
+    if DEFAULT_POLICY not in chosen or len(chosen) < 2:
+        raise ValueError(f"the suite compares {DEFAULT_POLICY} with peers: name it and a peer")
+    return chosen
 
 
 def _check_tiers(tiers: Sequence[str]) -> tuple[str, ...]:

@@ -86,6 +86,30 @@ def test_the_suite_command_refuses_unknown_sets_and_workloads(tmp_path: Path) ->
     assert "unknown workload nope" in bad_case.output
 
 
+def test_the_suite_replays_only_the_policies_named(tmp_path: Path) -> None:
+    # A shorter run for perturbation sweeps: kv_ttft against the peers that matter only,
+    # each figure what a full run gives, the best peer chosen among those named.
+    console = Console(width=200, record=True)
+    args = {"console": console, "quick": True, "sets": ["tune"], "only": ["groups"],
+            "jobs": 2, "plots": False, "loads": ["load90"]}  # fmt: skip
+    full = run_suite(tmp_path / "full", **args)  # type: ignore[arg-type]
+    named = ["round_robin", DEFAULT_POLICY, "round_robin"]
+    cells = run_suite(tmp_path, policies=named, **args)  # type: ignore[arg-type]
+    assert [s.policy for s in cells[0].summaries] == [DEFAULT_POLICY, "round_robin"]
+    for policy in (DEFAULT_POLICY, "round_robin"):
+        assert cells[0].summary(policy) == full[0].summary(policy)
+    assert versus_best_peer(cells[0])["p99_best_peer"] == "round_robin"
+    assert cells[0].prediction == full[0].prediction
+    out = ["bench", "suite", "--out-dir", str(tmp_path / "cli"), "--quick", "--only", "groups"]
+    unknown = CliRunner().invoke(app, [*out, "--policies", "kv_ttft,nope"])
+    assert unknown.exit_code != 0
+    assert "unknown policy nope" in unknown.output
+    alone = CliRunner().invoke(app, [*out, "--policies", "round_robin,random"])
+    assert alone.exit_code != 0
+    assert "compares kv_ttft with peers" in alone.output
+    assert not (tmp_path / "cli").exists()  # refused before anything ran or was written
+
+
 def test_the_suite_replays_one_load_with_heartbeat_lagged_views(tmp_path: Path) -> None:
     # What a live gateway sees: views one heartbeat old, the router's own counts on top.
     console = Console(width=200, record=True)
