@@ -26,6 +26,13 @@ from kvrouter.cli import app
 from policies.registry import DEFAULT_POLICY, policy_names
 
 
+def _refused(args: list[str], message: str) -> None:
+    """The CLI refuses ``args`` with ``message`` in its output."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0
+    assert message in result.output
+
+
 def test_the_report_set_holds_other_seeds_and_workloads_never_tuned_on() -> None:
     tune, report = set(SETS["tune"]), set(SETS["report"])
     assert not tune & report
@@ -101,12 +108,8 @@ def test_the_suite_replays_only_the_policies_named(tmp_path: Path) -> None:
     assert versus_best_peer(cells[0])["p99_best_peer"] == "round_robin"
     assert cells[0].prediction == full[0].prediction
     out = ["bench", "suite", "--out-dir", str(tmp_path / "cli"), "--quick", "--only", "groups"]
-    unknown = CliRunner().invoke(app, [*out, "--policies", "kv_ttft,nope"])
-    assert unknown.exit_code != 0
-    assert "unknown policy nope" in unknown.output
-    alone = CliRunner().invoke(app, [*out, "--policies", "round_robin,random"])
-    assert alone.exit_code != 0
-    assert "compares kv_ttft with peers" in alone.output
+    _refused([*out, "--policies", "kv_ttft,nope"], "unknown policy nope")
+    _refused([*out, "--policies", "round_robin,random"], "compares kv_ttft with peers")
     assert not (tmp_path / "cli").exists()  # refused before anything ran or was written
 
 
@@ -128,12 +131,8 @@ def test_the_suite_replays_one_load_with_heartbeat_lagged_views(tmp_path: Path) 
     written = json.loads((tmp_path / "suite.json").read_text())
     assert written["config"]["groups"]["view_interval_s"] == 1.0
     out = ["bench", "suite", "--out-dir", str(tmp_path), "--quick", "--only", "groups"]
-    bad_load = CliRunner().invoke(app, [*out, "--load", "load90,heavy"])
-    assert bad_load.exit_code != 0
-    assert "unknown load heavy" in bad_load.output
-    negative = CliRunner().invoke(app, [*out, "--view-interval-ms", "-5"])
-    assert negative.exit_code != 0
-    assert "view interval must be >= 0" in negative.output
+    _refused([*out, "--load", "load90,heavy"], "unknown load heavy")
+    _refused([*out, "--view-interval-ms", "-5"], "view interval must be >= 0")
 
 
 def test_the_suite_replays_cells_on_workers_without_kv_offloading(tmp_path: Path) -> None:
