@@ -15,9 +15,14 @@ over HTTP (``POST /kv/blocks``), validated in full, then imported. A failure
 leaves the windows imported so far (each a valid prefix) and raises
 :class:`~engine_worker.kv_transfer.TransferError`: the caller computes what is
 missing. Every pull is timed end to end (from asking the pool what it lacks to
-the blocks cached) and folded into the worker's transfer bandwidth, which its
-heartbeat publishes; a ``sim`` worker's pulls take and publish modeled time
-instead (:class:`ModeledTransfer`).
+the blocks cached, :attr:`PullResult.seconds`); the worker's transfer bandwidth,
+which its heartbeat publishes, folds in only the time its blocks were streaming
+(from the transfer's first byte to its last). A source reads its DRAM and SSD
+blocks before it sends that first byte, and the router prices those reads
+itself, per source and medium (:func:`policies.cost_model.peer_read_seconds`),
+so a pull of a peer's SSD copy must not make every later pull look that slow.
+A ``sim`` worker's pulls take and publish modeled time instead
+(:class:`ModeledTransfer`).
 """
 
 from __future__ import annotations
@@ -159,6 +164,7 @@ class KvPuller:
         """
         keys = list(keys)
         pulled = received = 0
+        streaming = 0.0
         started = time.perf_counter()
         try:
             port = await self._data_port(source_url)
@@ -171,13 +177,15 @@ class KvPuller:
                 last = start == starts[-1]
                 rel = release if last else None
                 if port is None:
-                    got, size = await self._http_window(source_url, window, rel)
+                    got, size, streamed = await self._http_window(source_url, window, rel)
                 else:
-                    got, size = await self._socket_window(source_url, port, window, rel,
-                                                          reservation)  # fmt: skip
+                    got, size, streamed = await self._socket_window(
+                        source_url, port, window, rel, reservation
+                    )
                 reservation = None
                 pulled += got
                 received += size
+                streaming += streamed
                 if got < len(window):
                     break
         except TransferError as exc:
@@ -196,8 +204,9 @@ class KvPuller:
                     await asyncio.sleep(wait)
                     seconds += wait
                 self.stat.add(size, modeled * (self.modeled.time_scale or 1.0))
-        elif received:
-            self.stat.add(received, seconds)
+        elif pulled:
+            # The blocks' streaming time, not the source's reads before its first byte.
+            self.stat.add(received, streaming)
         if received:
             self.metrics.transfer_bytes.labels("received").inc(received)
             self.metrics.transfer_blocks.labels("received").inc(pulled)
@@ -255,13 +264,14 @@ class KvPuller:
 
     async def _http_window(
         self, source_url: str, keys: list[int], release: str | None
-    ) -> tuple[int, int]:
-        """Pull one window over HTTP, then import it; returns (blocks imported, bytes)."""
-        header, blocks, received = await self._http_fetch(
+    ) -> tuple[int, int, float]:
+        """Pull one window over HTTP, then import it; returns (blocks imported, bytes,
+        seconds from the body's first byte to its last)."""
+        header, blocks, received, streamed = await self._http_fetch(
             source_url, keys, release, self._expected(keys)
         )
         if not header.keys:
-            return 0, received
+            return 0, received, streamed
         storage = self.storage
 
         def put(pool: BlockPool) -> int:
@@ -269,7 +279,7 @@ class KvPuller:
                 pool, storage, header.parent, header.keys, blocks, header.checksums
             )
 
-        return await self._on_pool(put), received
+        return await self._on_pool(put), received, streamed
 
     async def _socket_window(
         self,
@@ -278,17 +288,20 @@ class KvPuller:
         keys: list[int],
         release: str | None,
         reservation: Reservation | None,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, float]:
         """Pull one window over the data socket into ``reservation`` (reserved now when
-        None); returns (blocks imported, bytes received)."""
+        None); returns (blocks imported, bytes received, seconds from the header's arrival
+        to the last block's)."""
         if reservation is None and keys:
             storage = self.storage
             _, reservation = await self._reserving(
                 lambda s: (0, reserve_import(s.pool, storage, None, keys))
             )
         held = reservation
+        arrived = [0.0]
 
         async def land(header: TransferHeader) -> Sequence[memoryview]:
+            arrived[0] = time.perf_counter()
             return held.land(header) if held is not None else []
 
         try:
@@ -300,11 +313,12 @@ class KvPuller:
             if held is not None:
                 self._give_back(held)
             raise
+        streamed = time.perf_counter() - arrived[0]
         if held is None:
-            return 0, received
+            return 0, received, streamed
         # Shielded: once the blocks are in, a cancelled caller still has them cached.
         commit = self.engine.pool_call(lambda _: held.commit())
-        return await asyncio.shield(asyncio.wrap_future(commit)), received
+        return await asyncio.shield(asyncio.wrap_future(commit)), received, streamed
 
     def _give_back_late(self, future: Future[tuple[int, Reservation | None]]) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -319,9 +333,11 @@ class KvPuller:
 
     async def _http_fetch(
         self, source_url: str, keys: list[int], release: str | None, expected: Expected
-    ) -> tuple[TransferHeader, Sequence[memoryview], int]:
-        """One window over ``POST /kv/blocks`` (a source without a data port)."""
+    ) -> tuple[TransferHeader, Sequence[memoryview], int, float]:
+        """One window over ``POST /kv/blocks`` (a source without a data port); also the
+        seconds from the body's first byte to its last."""
         received = 0
+        first = 0.0
         url = f"{source_url.rstrip('/')}/kv/blocks"
         try:
             async with self._client.stream(
@@ -333,12 +349,14 @@ class KvPuller:
                     raise TransferError(reason, f"{url} answered {response.status_code}: {body}")
 
                 async def counted() -> AsyncIterator[bytes]:
-                    nonlocal received
+                    nonlocal received, first
                     async for chunk in response.aiter_bytes():
+                        if not received:
+                            first = time.perf_counter()
                         received += len(chunk)
                         yield chunk
 
                 header, blocks = await read_transfer(counted(), expected)
         except httpx.HTTPError as exc:
             raise TransferError("http", f"{url}: {exc!r}") from exc
-        return header, blocks, received
+        return header, blocks, received, time.perf_counter() - first if received else 0.0

@@ -253,6 +253,44 @@ def test_a_tampered_transfer_is_refused_and_leaves_nothing_behind(
     assert in_use(b) == 0
 
 
+def test_the_published_bandwidth_leaves_out_the_sources_time_before_its_first_byte() -> None:
+    # A source copies its DRAM and SSD blocks out before it sends the header, and the
+    # router prices those reads per source (policies.cost_model.peer_read_seconds). Folded
+    # into the bandwidth, one pull of a peer's SSD copy made every later pull, from any
+    # peer's HBM, look as slow as that SSD. The relay holds the source's answer back for
+    # a second, as a slow read would.
+    delay = 1.0
+    prompt = list(range(2000, 2080))  # 5 full blocks
+
+    def slow(data: bytes) -> bytes:
+        time.sleep(delay)
+        return data
+
+    with workers(settings("src"), settings("dst")) as (src, dst):
+        complete(src, prompt)
+        keys = block_keys(prompt, 16, root_parent("tiny"))
+        port = httpx.get(f"{src}/kv/endpoint", headers=AUTH, timeout=10).json()["port"]
+        with tampering_source(port, slow) as source:
+            r = pull(dst, source, keys=keys)
+        assert r.status_code == 200, r.text
+        result = r.json()
+        assert result["pulled"] == len(keys)
+        assert result["seconds"] >= delay  # the pull itself took the wait
+        view = httpx.get(f"{dst}/worker/view", headers=AUTH, timeout=10).json()
+        assert view["transfer_bandwidth"] > 0
+        # The bytes at the published bandwidth take a fraction of the wait (timed end
+        # to end, they took all of it), and the next heartbeat's metric says the same.
+        assert result["bytes"] / view["transfer_bandwidth"] < delay / 4
+        deadline = time.monotonic() + 5
+        while not (published := metric(dst, "kv_transfer_bandwidth_bytes_per_second")):
+            assert time.monotonic() < deadline, "the heartbeat never set the metric"
+            time.sleep(0.1)
+        assert published == pytest.approx(view["transfer_bandwidth"])
+        # The blocks are used: the output is the source's, token for token.
+        text = complete(src, prompt)["choices"][0]["text"]
+        assert complete(dst, prompt)["choices"][0]["text"] == text
+
+
 def test_a_sim_workers_pull_takes_and_publishes_the_modeled_time() -> None:
     # Sim blocks are placeholders of a few bytes: timed, they would publish a bandwidth
     # that prices the profile's real KV bytes thousands of times too slow.
