@@ -157,7 +157,10 @@ def compare_policies(
                 task = progress.add_task(shown, total=len(trace))
                 advance = functools.partial(progress.advance, task)
                 replays.append(simulate(trace, build(), run_config, progress=advance))
-            runs.append([summarize(r.policy, r.records, r.busy_s, oracle) for r in replays])
+            run = [
+                summarize(r.policy, r.records, r.busy_s, oracle, r.busy_arrivals_s) for r in replays
+            ]
+            runs.append(run)
             results = results or replays
     summaries = [median_summary([run[i] for run in runs]) for i in range(len(builders))]
     several = len(perturbations) > 1

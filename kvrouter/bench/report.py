@@ -16,6 +16,12 @@ arrival to the last finish):
   and per medium the hit was found on (HBM, DRAM, SSD).
 * load imbalance: coefficient of variation (population standard deviation over
   mean) of the workers' busy time; busy share: their mean busy time over the makespan.
+  Where the replay measured it (the simulator does), also their mean busy time
+  between the first arrival and the last over that window (``busy_share_arrivals``):
+  how saturated the cluster was while load was offered. The makespan share counts
+  the drain after the last arrival, when fewer and fewer workers still have work,
+  so an overloaded replay can be ~99% busy while requests arrive and well under
+  that over its makespan.
 * oracle: :mod:`kvrouter.bench.oracle`'s bound, and the hit rate as a ratio to it.
 
 Percentiles interpolate linearly between order statistics (numpy's default).
@@ -120,6 +126,7 @@ class PolicySummary(msgspec.Struct, kw_only=True):
     load_cv: float
     busy_s: dict[str, float]
     busy_share: float = 0.0
+    busy_share_arrivals: float | None = None
     preemptions: int
     oracle_hit_rate: float | None = None
     hit_vs_oracle: float | None = None
@@ -200,8 +207,10 @@ def summarize(
     records: Sequence[RequestRecord],
     busy_s: Mapping[str, float],
     oracle: OracleBound | None = None,
+    busy_arrivals_s: Mapping[str, float] | None = None,
 ) -> PolicySummary:
-    """Reduce one policy's records and busy times to its figures."""
+    """Reduce one policy's records and busy times to its figures (``busy_arrivals_s``:
+    per worker, its busy time between the first arrival and the last, where measured)."""
     done = [r for r in records if r.finish_s is not None]
     ttft = [t for r in records if (t := r.ttft_s) is not None]
     tpot = [t for r in records if (t := r.tpot_s) is not None]
@@ -215,6 +224,10 @@ def summarize(
     busy = np.array(list(busy_s.values()), dtype=float)
     cv = float(busy.std() / busy.mean()) if busy.size and busy.mean() > 0 else 0.0
     rate = oracle.hit_rate if oracle is not None else None
+    window = max((r.arrival_s for r in records), default=start) - start
+    arriving = None
+    if busy_arrivals_s and window > 0:
+        arriving = float(np.mean(list(busy_arrivals_s.values()))) / window
     return PolicySummary(
         policy=policy,
         requests=len(records),
@@ -235,6 +248,7 @@ def summarize(
         load_cv=cv,
         busy_s=dict(busy_s),
         busy_share=float(busy.mean()) / makespan if busy.size and makespan > 0 else 0.0,
+        busy_share_arrivals=arriving,
         preemptions=sum(r.preemptions for r in records),
         oracle_hit_rate=rate,
         hit_vs_oracle=(hit / rate if rate else None),
@@ -245,12 +259,29 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:,.0f}"
 
 
+def _busy(s: PolicySummary) -> str:
+    """The busy share over the makespan, and while requests arrived where measured."""
+    if s.busy_share_arrivals is None:
+        return f"{s.busy_share:.1%}"
+    return f"{s.busy_share:.1%} ({s.busy_share_arrivals:.1%})"
+
+
 def render_table(summaries: Sequence[PolicySummary], console: Console, title: str = "") -> None:
     """Print one row per policy: latency (ms), throughput, hit rates, busy share, preemptions."""
     table = Table(title=title or None, show_lines=False)
     for name in ("policy", "TTFT mean", "p50", "p90", "p99", "TPOT mean", "p90"):
         table.add_column(name, justify="left" if name == "policy" else "right")
-    right = ("req/s", "out tok/s", "hit", "hbm", "dram", "ssd", "busy", "busy CV", "hit/oracle")
+    right = (
+        "req/s",
+        "out tok/s",
+        "hit",
+        "hbm",
+        "dram",
+        "ssd",
+        "busy (arriving)",
+        "busy CV",
+        "hit/oracle",
+    )
     for name in (*right, "preempt."):
         table.add_column(name, justify="right")
     for s in summaries:
@@ -267,7 +298,7 @@ def render_table(summaries: Sequence[PolicySummary], console: Console, title: st
             f"{s.output_tps:,.0f}",
             f"{s.hit_rate:.1%}",
             *(f"{s.hit_rate_by_medium[m.value]:.1%}" for m in MEDIA),
-            f"{s.busy_share:.1%}",
+            _busy(s),
             f"{s.load_cv:.2f}",
             ratio,
             str(s.preemptions),

@@ -247,6 +247,9 @@ class SimResult:
             pools at the end (what the index should hold once every event landed).
         index_entries: (block, host) entries per medium in the index at the end.
         wall_s: Real seconds the replay took (not part of the results' identity).
+        busy_arrivals_s: Per worker, the part of its step durations that fell between
+            the first arrival and the last: how saturated the cluster was while load
+            was offered, which the drain after the last arrival does not dilute.
     """
 
     policy: str
@@ -258,6 +261,7 @@ class SimResult:
     cached_blocks: dict[Medium, int]
     index_entries: dict[Medium, int]
     wall_s: float = 0.0
+    busy_arrivals_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -272,6 +276,8 @@ class _Worker:
     epoch: int
     seq: int = 0
     busy_s: float = 0.0
+    #: Step time between the first arrival and the last (SimResult.busy_arrivals_s).
+    busy_arrivals_s: float = 0.0
     steps: int = 0
     in_flight: int = 0
     step: tuple[SchedulerPlan, StepResult] | None = None
@@ -362,6 +368,8 @@ class _Cluster:
         self.index = MemoryIndex()
         self.pending: deque[tuple[float, EventBatch]] = deque()
         self.heap: list[tuple[float, int, int]] = []
+        #: The first and last arrival (set when the replay starts).
+        self.arrival_window = (0.0, 0.0)
         self.tiebreak = itertools.count()
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.live: dict[str, int] = {}
@@ -613,6 +621,8 @@ class _Cluster:
         result = w.runner.execute(plan)
         w.step = (plan, result)
         w.busy_s += result.duration_s
+        first, last = self.arrival_window
+        w.busy_arrivals_s += max(min(now + result.duration_s, last) - max(now, first), 0.0)
         w.steps += 1
         heapq.heappush(self.heap, (now + result.duration_s, next(self.tiebreak), w.slot))
 
@@ -666,6 +676,8 @@ class _Cluster:
             rng = random.Random(f"jitter:{self.config.jitter}")
             arrivals = [t + rng.random() * JITTER_S for t in arrivals]
         order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+        if order:
+            self.arrival_window = (arrivals[order[0]], arrivals[order[-1]])
         heap = self.heap
         n = len(order)
         a = 0
@@ -733,6 +745,7 @@ def simulate(
         cached_blocks={m: sum(len(snap[m]) for snap in snapshots) for m in MEDIA},
         index_entries=cluster.index.stats_sync().entries,
         wall_s=time.perf_counter() - start,
+        busy_arrivals_s={w.host: w.busy_arrivals_s for w in workers},
     )
 
 

@@ -22,8 +22,10 @@ the completed requests per second of makespan. A load ``L`` then replays the
 trace at ``time_scale = L * capacity / (trace requests / trace duration)``.
 Cache-aware policies serve more than round robin, so a load above 1 is where
 they saturate: the production-shaped cases go to 1.4 (at 1.2 the busiest
-peer's workers were busy 91-97% of the makespan, drain included; the tables
-print the measured busy share).
+peer's workers were busy 91-97% of the makespan, drain included). The tables
+print the busiest peer's busy share over the makespan and, in parentheses,
+while requests arrived: the drain after the last arrival, when fewer and fewer
+workers have work left, dilutes the first, not the second.
 
 For every cell the suite prints each policy's summary, then per set: ``kv_ttft``
 against the best peer *at each percentile* (the best peer may differ from one
@@ -39,7 +41,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,7 +281,8 @@ def _capacity(
     return capacity, len(trace) / max(span, 1e-9)
 
 
-_Replayed = tuple[list[RequestRecord], dict[str, float]]
+#: A replay's records, busy time per worker, and busy time per worker while requests arrived.
+_Replayed = tuple[list[RequestRecord], dict[str, float], dict[str, float]]
 _Pending = tuple["_Run", str, float, float, dict[tuple[str, int], Future[_Replayed]], Future[float]]
 
 
@@ -298,7 +301,7 @@ def _replay(
     config = _case(name, quick).config(seed, time_scale, tiers, profiles)
     config = dataclasses.replace(config, view_interval_s=view_interval_s, jitter=jitter)
     result = simulate(trace, build_policy(policy, seed=seed), config)
-    return result.records, result.busy_s
+    return result.records, result.busy_s, result.busy_arrivals_s
 
 
 def _oracle(
@@ -386,6 +389,11 @@ def versus_best_peer(cell: CellResult, ours: str = DEFAULT_POLICY) -> dict[str, 
         "cell": cell.label,
         "load": cell.load,
         "busy_peers": max((s.busy_share for s in peers), default=0.0),
+        # Stored cells summarized before this was measured have None here.
+        "busy_peers_arriving": max(
+            (s.busy_share_arrivals for s in peers if s.busy_share_arrivals is not None),
+            default=None,
+        ),
         "hit_vs_oracle": mine.hit_vs_oracle,
         "preemptions": mine.preemptions,
         "preemptions_best_peer": min((s.preemptions for s in peers), default=0),
@@ -589,8 +597,8 @@ def run_suite(
             prediction: list[tuple[int, float, float]] = []
             ttfts: dict[str, list[float]] = {}
             for (policy, k), future in replays.items():
-                records, busy_s = future.result()
-                s = summarize(policy, records, busy_s)
+                records, busy_s, arriving = future.result()
+                s = summarize(policy, records, busy_s, busy_arrivals_s=arriving)
                 ratio = s.hit_rate / hit if hit > 0 else None
                 s = msgspec.structs.replace(s, oracle_hit_rate=hit, hit_vs_oracle=ratio)
                 by_jitter[k].append(s)
@@ -639,9 +647,25 @@ def _print(cells: Sequence[CellResult], console: Console, seconds: float) -> Non
     console.print(f"suite: {len(cells)} cells in {seconds:,.0f} s")
 
 
+def _busy(row: Mapping[str, object]) -> str:
+    """The busiest peer's busy share over the makespan, and while requests arrived."""
+    text = f"{row['busy_peers']:.1%}"
+    arriving = row.get("busy_peers_arriving")
+    return text if arriving is None else f"{text} ({arriving:.1%})"
+
+
 def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console) -> None:
     table = Table(title=f"{name} set: {DEFAULT_POLICY} / best peer at each percentile")
-    for col in ("cell", "peers busy", "p50", "p90", "p99", "mean", "hit/oracle", "preempt."):
+    for col in (
+        "cell",
+        "peers busy (arriving)",
+        "p50",
+        "p90",
+        "p99",
+        "mean",
+        "hit/oracle",
+        "preempt.",
+    ):
         table.add_column(col, justify="left" if col == "cell" else "right")
     worse = always = 0
     for row in rows:
@@ -652,7 +676,7 @@ def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console
         always += bool(runs) and any(row[f"{p}_behind_runs"] == runs for p, _ in PERCENTILES[:3])
         table.add_row(
             str(row["cell"]),
-            f"{row['busy_peers']:.1%}",
+            _busy(row),
             *(
                 f"{r:.2f} {row[f'{p}_best_peer']}"[:24] + b
                 for r, (p, _), b in zip(ratios, PERCENTILES, behind, strict=True)

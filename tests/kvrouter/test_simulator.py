@@ -156,6 +156,30 @@ def test_one_request_on_an_idle_cluster_takes_the_profiles_step_times() -> None:
     assert rec.output_tokens == 3
 
 
+def test_an_overloaded_replay_reports_its_workers_busy_while_requests_arrive() -> None:
+    # 20 prompts of 4,000 tokens 10 ms apart overload two workers (each prefill takes
+    # longer than the gaps), then the last one decodes 400 tokens alone while the other
+    # worker idles: the drain dilutes the makespan's busy share, not the arrivals'.
+    config = SimConfig(workers=2, hbm_blocks=2000, dram_blocks=0, ssd_blocks=0)
+    trace = [
+        TraceRecord(10 * i, 4000, 400 if i == 19 else 2, [1000 + 8 * i + j for j in range(8)])
+        for i in range(20)
+    ]
+    result = run(trace, "round_robin", config)
+    window = max(r.arrival_s for r in result.records)
+    assert window == pytest.approx(0.19)
+    for host, busy in result.busy_s.items():
+        assert 0 < result.busy_arrivals_s[host] <= min(busy, window) + 1e-9
+    # w1 takes its first request 10 ms in, and is busy from then on.
+    assert result.busy_arrivals_s["w0"] == pytest.approx(window)
+    assert result.busy_arrivals_s["w1"] == pytest.approx(window - 0.01)
+    s = summarize(result.policy, result.records, result.busy_s, None, result.busy_arrivals_s)
+    assert s.busy_share_arrivals == pytest.approx((2 * window - 0.01) / (2 * window))
+    assert s.busy_share < 0.7
+    # Without the arrivals' busy time (a live replay), the figure is absent, not zero.
+    assert summarize(result.policy, result.records, result.busy_s).busy_share_arrivals is None
+
+
 def slower(profile: TimingProfile, factor: float, name: str) -> TimingProfile:
     """``profile`` with every compute coefficient ``factor`` times larger (same model)."""
     return msgspec.structs.replace(

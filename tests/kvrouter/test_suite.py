@@ -67,9 +67,17 @@ def test_a_quick_suite_compares_every_policy_at_each_load(tmp_path: Path) -> Non
     # Higher load, busier workers (round robin does the same work at every load).
     busy = [c.summary("round_robin").busy_share for c in cells]
     assert busy == sorted(busy)
+    # While requests arrive, the saturated cell keeps its workers busier than its
+    # makespan share says (that counts the drain), and busier than a lighter load.
+    arriving = [c.summary("round_robin").busy_share_arrivals for c in cells]
+    assert all(a is not None for a in arriving)
+    assert arriving[-1] > max(busy[-1], arriving[0])
     assert all(c.prediction for c in cells)
     for cell in cells:
         row = versus_best_peer(cell)
+        assert row["busy_peers_arriving"] == max(
+            s.busy_share_arrivals or 0.0 for s in cell.summaries if s.policy != DEFAULT_POLICY
+        )
         mine = cell.summary(DEFAULT_POLICY)
         peers = [s for s in cell.summaries if s.policy != DEFAULT_POLICY]
         best_p99 = min(peers, key=lambda s: s.ttft_p99_s)
@@ -81,6 +89,7 @@ def test_a_quick_suite_compares_every_policy_at_each_load(tmp_path: Path) -> Non
     text = console.export_text()
     assert "tune set: kv_ttft / best peer at each percentile" in text
     assert "preempt." in text
+    assert "peers busy (arriving)" in text
 
 
 def test_the_suite_command_refuses_unknown_sets_and_workloads(tmp_path: Path) -> None:
@@ -153,7 +162,7 @@ def test_the_suite_replays_cells_on_workers_without_kv_offloading(tmp_path: Path
     # round robin's requests are served some blocks from DRAM; without, none.
     served = {}
     for tiers in (ALL_TIERS, ("hbm",)):
-        records, _ = _replay("groups", 1, False, 1.0, "round_robin", tiers=tiers)
+        records, *_ = _replay("groups", 1, False, 1.0, "round_robin", tiers=tiers)
         served[tiers] = sum(r.cached_tokens[1] + r.cached_tokens[2] for r in records)
     assert served[ALL_TIERS] > 0
     assert served[("hbm",)] == 0
@@ -181,7 +190,7 @@ def test_the_suite_replays_cells_on_a_mixed_fleet(tmp_path: Path) -> None:
     assert uniform["config"]["groups"]["worker_profiles"] == []
     assert 0 < mixed[0].capacity_rps < 0.9 * h100[0].capacity_rps
     # Each worker runs its own profile: w1's requests take longer than w0's.
-    records, _ = _replay("groups", 1, True, 1.0, "round_robin", profiles=fleet)
+    records, *_ = _replay("groups", 1, True, 1.0, "round_robin", profiles=fleet)
     mean = {w: statistics.mean(r.ttft_s or 0.0 for r in records if r.worker == w)
             for w in ("w0", "w1")}  # fmt: skip
     assert mean["w1"] > 1.5 * mean["w0"]
