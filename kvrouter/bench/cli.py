@@ -407,6 +407,13 @@ def suite(
             "peers, e.g. the ones that are ever best, to make --jitter runs shorter."
         ),
     ] = "",
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Replay every workload on this many workers instead of its own (4 for "
+            "chat, groups and agent, 8 for the others): a cluster size never tuned on."
+        ),
+    ] = None,
 ) -> None:
     """Every policy on every workload at three loads, tuned on one set, reported on another."""
     chosen = [s for s in sets.split(",") if s]
@@ -433,6 +440,7 @@ def suite(
             jitter=parse_jitter(jitter), tiers=parse_tiers(tiers),
             profiles=[p.strip() for p in profile.split(",") if p.strip()],
             policies=[p.strip() for p in policies.split(",") if p.strip()],
+            cluster_size=workers,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -254,8 +254,11 @@ def _quick(case: SuiteCase) -> SuiteCase:
     return dataclasses.replace(case, workload=small)
 
 
-def _case(name: str, quick: bool) -> SuiteCase:
+def _case(name: str, quick: bool, workers: int | None = None) -> SuiteCase:
+    """The case ``name`` (tiny with ``quick``), on ``workers`` workers instead of its own."""
     case = CASES[name]
+    if workers is not None:
+        case = dataclasses.replace(case, workers=workers)
     return _quick(case) if quick else case
 
 
@@ -272,11 +275,12 @@ def _capacity(
     quick: bool,
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
+    workers: int | None = None,
 ) -> tuple[float, float]:
     """(capacity, natural rate) of a run, in requests/s."""
     trace = _trace(name, seed, quick)
     span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
-    config = _case(name, quick).config(seed, tiers=tiers, profiles=profiles)
+    config = _case(name, quick, workers).config(seed, tiers=tiers, profiles=profiles)
     capacity = measure_capacity(trace, config)
     return capacity, len(trace) / max(span, 1e-9)
 
@@ -296,9 +300,10 @@ def _replay(
     jitter: int = 0,
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
+    workers: int | None = None,
 ) -> _Replayed:
     trace = _trace(name, seed, quick)
-    config = _case(name, quick).config(seed, time_scale, tiers, profiles)
+    config = _case(name, quick, workers).config(seed, time_scale, tiers, profiles)
     config = dataclasses.replace(config, view_interval_s=view_interval_s, jitter=jitter)
     result = simulate(trace, build_policy(policy, seed=seed), config)
     return result.records, result.busy_s, result.busy_arrivals_s
@@ -311,9 +316,10 @@ def _oracle(
     time_scale: float,
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
+    workers: int | None = None,
 ) -> float:
     trace = _trace(name, seed, quick)
-    config = _case(name, quick).config(seed, time_scale, tiers, profiles)
+    config = _case(name, quick, workers).config(seed, time_scale, tiers, profiles)
     return trace_oracle(trace, config).hit_rate
 
 
@@ -475,6 +481,7 @@ def run_suite(
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
     policies: Sequence[str] = (),
+    cluster_size: int | None = None,
 ) -> list[CellResult]:
     """Replay every selected run with every policy at its loads; print and write the results.
 
@@ -510,13 +517,17 @@ def run_suite(
             ``kv_ttft`` and at least one peer. The best peer of a cell is then the best
             of these, so leave out only peers that are never best (with several
             perturbations a full suite is hours on a small machine).
+        cluster_size: Replay every case on this many workers instead of its own (4 for
+            the generated cases, 8 for the production-shaped ones): a cluster size the
+            policies were not tuned on. Capacity, loads and the oracle are measured on
+            that cluster.
 
     Raises:
         ValueError: Nothing selected (an unknown set, workload or load label), a
             negative view interval, seed or jitter, no jitter, tiers without ``hbm`` or
             with an unknown name; a profile that does not load, or profiles of
             different models; unknown policies, or a selection without ``kv_ttft``
-            and a peer.
+            and a peer; a cluster size below 1.
 
     Returns:
         One result per cell, in set, run and load order.
@@ -546,6 +557,8 @@ def run_suite(
     if not jitters:
         raise ValueError("no jitter to replay under (0 replays the trace as it is)")
     tiers = _check_tiers(tiers)
+    if cluster_size is not None and cluster_size < 1:
+        raise ValueError(f"cluster size must be >= 1, got {cluster_size}")
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = tuple(profiles)
     # Loading the fleet here refuses a bad profile name, or a mix of models, before
@@ -561,13 +574,13 @@ def run_suite(
     )
     with ProcessPoolExecutor(workers) as pool, Progress(*columns, console=console) as progress:
         runs = [
-            _Run(s, c, seed, pool.submit(_capacity, c, seed, quick, tiers, profiles))
+            _Run(s, c, seed, pool.submit(_capacity, c, seed, quick, tiers, profiles, cluster_size))
             for s, c, seed in selected
         ]
         pending: list[_Pending] = []
         for run in runs:
             capacity, natural = run.capacity.result()
-            for label, load in _case(run.case, quick).loads:
+            for label, load in _case(run.case, quick, cluster_size).loads:
                 if loads and label not in loads:
                     continue
                 scale = load * capacity / natural
@@ -583,11 +596,14 @@ def run_suite(
                         k,
                         tiers,
                         profiles,
+                        cluster_size,
                     )
                     for k in jitters
                     for p in names
                 }
-                oracle = pool.submit(_oracle, run.case, run.seed, quick, scale, tiers, profiles)
+                oracle = pool.submit(
+                    _oracle, run.case, run.seed, quick, scale, tiers, profiles, cluster_size
+                )
                 pending.append((run, label, load, scale, replays, oracle))
         task = progress.add_task("replays", total=sum(len(p[4]) for p in pending))
         plotted = _plotted()
@@ -626,7 +642,7 @@ def run_suite(
                 path = out_dir / f"{cell.label}_ttft_cdf.png"
                 plot_ttft_cdf(ttfts, path, title=f"{cell.label}: TTFT")
     _print(cells, console, time.perf_counter() - started)
-    _write(cells, out_dir / "suite.json", view_interval_s, jitters, tiers, profiles)
+    _write(cells, out_dir / "suite.json", view_interval_s, jitters, tiers, profiles, cluster_size)
     return cells
 
 
@@ -791,6 +807,7 @@ def _write(
     jitter: Sequence[int] = (0,),
     tiers: Sequence[str] = ALL_TIERS,
     profiles: Sequence[str] = (),
+    cluster_size: int | None = None,
 ) -> None:
     data = {
         "rows": [versus_best_peer(c) for c in cells],
@@ -808,7 +825,7 @@ def _write(
                 )
             )
             | {"jitter": list(jitter)}
-            for name, case in CASES.items()
+            for name, case in ((n, _case(n, False, cluster_size)) for n in CASES)
         },
     }
     path.write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2))

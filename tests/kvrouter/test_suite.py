@@ -69,8 +69,8 @@ def test_a_quick_suite_compares_every_policy_at_each_load(tmp_path: Path) -> Non
     assert busy == sorted(busy)
     # While requests arrive, the saturated cell keeps its workers busier than its
     # makespan share says (that counts the drain), and busier than a lighter load.
-    arriving = [c.summary("round_robin").busy_share_arrivals for c in cells]
-    assert all(a is not None for a in arriving)
+    arriving = [c.summary("round_robin").busy_share_arrivals or 0.0 for c in cells]
+    assert all(arriving)
     assert arriving[-1] > max(busy[-1], arriving[0])
     assert all(c.prediction for c in cells)
     for cell in cells:
@@ -172,6 +172,29 @@ def test_the_suite_replays_cells_on_workers_without_kv_offloading(tmp_path: Path
         refused = CliRunner().invoke(app, [*out, "--tiers", bad])
         assert refused.exit_code != 0
         assert says in refused.output
+
+
+def test_the_suite_replays_cells_on_another_cluster_size(tmp_path: Path) -> None:
+    # The generated cases run on 4 workers, the production-shaped ones on 8: a result
+    # that holds only at the size it was tuned on shows on 2 or 16. Capacity is measured
+    # on the cluster replayed, and the size is recorded.
+    console = Console(width=200, record=True)
+    args = dict(console=console, quick=True, sets=["tune"], only=["groups"], jobs=2,
+                plots=False, loads=["load90"],
+                policies=[DEFAULT_POLICY, "round_robin"])  # fmt: skip
+    two = run_suite(tmp_path, cluster_size=2, **args)  # type: ignore[arg-type]
+    own = run_suite(tmp_path / "own", **args)  # type: ignore[arg-type]
+    assert set(two[0].summary(DEFAULT_POLICY).busy_s) == {"w0", "w1"}
+    assert set(own[0].summary(DEFAULT_POLICY).busy_s) == {"w0", "w1", "w2", "w3"}
+    assert 0 < two[0].capacity_rps < own[0].capacity_rps  # measured on the smaller cluster
+    written = json.loads((tmp_path / "suite.json").read_text())
+    assert written["config"]["groups"]["workers"] == 2
+    assert written["config"]["conversation"]["workers"] == 2
+    stored = json.loads((tmp_path / "own" / "suite.json").read_text())
+    assert stored["config"]["groups"]["workers"] == 4
+    out = ["bench", "suite", "--out-dir", str(tmp_path / "cli"), "--quick", "--only", "groups"]
+    _refused([*out, "--workers", "0"], "cluster size must be >= 1")
+    assert not (tmp_path / "cli").exists()
 
 
 def test_the_suite_replays_cells_on_a_mixed_fleet(tmp_path: Path) -> None:
