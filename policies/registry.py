@@ -7,7 +7,7 @@ the others ignore it, so a benchmark can pass one seed to every policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from policies.base import Policy
@@ -61,6 +61,18 @@ def policy_names() -> list[str]:
     return [DEFAULT_POLICY, *sorted(n for n in POLICIES if n != DEFAULT_POLICY)]
 
 
+def check_policy_names(names: Iterable[str], also: Sequence[str] = ()) -> None:
+    """Refuse names that are not registered policies (nor one of ``also``, e.g. ``all``).
+
+    Raises:
+        ValueError: Every unknown name, and the valid ones, in one message.
+    """
+    known = set(POLICIES) | set(also)
+    if bad := [n for n in names if n not in known]:
+        valid = ", ".join([*also, *policy_names()])
+        raise ValueError(f"unknown policy {', '.join(map(repr, bad))}; valid: {valid}")
+
+
 def make_policy(name: str, *, seed: int = 0, **options: Any) -> Policy:
     """Build the policy registered as ``name`` with its documented defaults overridden by
     ``options``.
@@ -69,9 +81,8 @@ def make_policy(name: str, *, seed: int = 0, **options: Any) -> Policy:
         ValueError: Unknown name (the message lists the valid ones), an option the
             policy does not take, or an option value out of range.
     """
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(policy_names())}")
+    check_policy_names([name])
+    factory = POLICIES[name]
     try:
         return factory(seed, **options)
     except TypeError as exc:

@@ -37,7 +37,7 @@ from kvrouter.bench.simulator import SimConfig, SimResult, simulate, trace_oracl
 from kvrouter.bench.trace import HASH_BLOCK_TOKENS, TraceRecord
 from kvrouter.policy_factory import build_policy
 from policies.base import Policy
-from policies.registry import policy_names
+from policies.registry import check_policy_names, policy_names
 
 __all__ = ["Comparison", "compare_policies", "config_dict", "describe_trace", "parse_policies"]
 
@@ -51,10 +51,7 @@ def parse_policies(spec: str) -> list[str]:
     if spec.strip() == "all":
         return policy_names()
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    known = set(policy_names())
-    for name in names:
-        if name not in known:
-            raise ValueError(f"unknown policy {name!r}; valid: all, {', '.join(policy_names())}")
+    check_policy_names(names, also=["all"])
     if not names:
         raise ValueError("no policy given")
     return names

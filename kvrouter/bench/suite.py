@@ -76,7 +76,7 @@ from kvrouter.bench.workloads import (
     generate,
 )
 from kvrouter.policy_factory import build_policy
-from policies.registry import DEFAULT_POLICY, policy_names
+from policies.registry import DEFAULT_POLICY, check_policy_names, policy_names
 
 __all__ = [
     "ALL_TIERS",
@@ -784,8 +784,7 @@ def _check_policies(policies: Sequence[str]) -> list[str]:
     names = policy_names()
     if not policies:
         return names
-    if bad := [p for p in policies if p not in names]:
-        raise ValueError(f"unknown policy {', '.join(bad)}; valid: {', '.join(names)}")
+    check_policy_names(policies)
     chosen = [n for n in names if n in policies]
     if DEFAULT_POLICY not in chosen or len(chosen) < 2:
         raise ValueError(f"the suite compares {DEFAULT_POLICY} with peers: name it and a peer")

@@ -113,7 +113,7 @@ def test_the_suite_replays_only_the_policies_named(tmp_path: Path) -> None:
     assert versus_best_peer(cells[0])["p99_best_peer"] == "round_robin"
     assert cells[0].prediction == full[0].prediction
     out = ["bench", "suite", "--out-dir", str(tmp_path / "cli"), "--quick", "--only", "groups"]
-    _refused([*out, "--policies", "kv_ttft,nope"], "unknown policy nope")
+    _refused([*out, "--policies", "kv_ttft,nope"], "unknown policy 'nope'")
     _refused([*out, "--policies", "round_robin,random"], "compares kv_ttft with peers")
     assert not (tmp_path / "cli").exists()  # refused before anything ran or was written
 

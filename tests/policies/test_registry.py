@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
 from policies.base import NoWorkerError, Policy, RouteRequest
-from policies.registry import DEFAULT_POLICY, POLICIES, make_policy, policy_names
+from policies.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    check_policy_names,
+    make_policy,
+    policy_names,
+)
 from tests.policies.support import match, request, tokens, view
 
 EXPECTED = {
@@ -48,8 +54,12 @@ def test_every_policy_satisfies_the_protocol_and_handles_one_worker(name: str) -
 
 
 def test_unknown_names_and_options_are_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="valid policies: kv_ttft, dynamo_cost"):
+    with pytest.raises(ValueError, match="unknown policy 'fastest'; valid: kv_ttft, dynamo_cost"):
         make_policy("fastest")
+    # Every command that takes policy names refuses them the same way, all at once.
+    with pytest.raises(ValueError, match="unknown policy 'a', 'b'; valid: all, kv_ttft, "):
+        check_policy_names(["a", "kv_ttft", "all", "b"], also=["all"])
+    check_policy_names(policy_names())
     with pytest.raises(ValueError, match="cache_threshold"):
         make_policy("round_robin", cache_threshold=0.3)
     with pytest.raises(ValueError, match="cache_threshold"):
