@@ -298,10 +298,11 @@ class KvPuller:
                 lambda s: (0, reserve_import(s.pool, storage, None, keys))
             )
         held = reservation
-        arrived = [0.0]
+        arrived = 0.0
 
         async def land(header: TransferHeader) -> Sequence[memoryview]:
-            arrived[0] = time.perf_counter()
+            nonlocal arrived
+            arrived = time.perf_counter()
             return held.land(header) if held is not None else []
 
         try:
@@ -313,7 +314,7 @@ class KvPuller:
             if held is not None:
                 self._give_back(held)
             raise
-        streamed = time.perf_counter() - arrived[0]
+        streamed = time.perf_counter() - arrived
         if held is None:
             return 0, received, streamed
         # Shielded: once the blocks are in, a cancelled caller still has them cached.

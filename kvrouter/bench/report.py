@@ -49,6 +49,7 @@ __all__ = [
     "BenchReport",
     "PolicySummary",
     "RequestRecord",
+    "busy_text",
     "goodput_rps",
     "median_summary",
     "plot_hit_rates",
@@ -259,11 +260,10 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:,.0f}"
 
 
-def _busy(s: PolicySummary) -> str:
-    """The busy share over the makespan, and while requests arrived where measured."""
-    if s.busy_share_arrivals is None:
-        return f"{s.busy_share:.1%}"
-    return f"{s.busy_share:.1%} ({s.busy_share_arrivals:.1%})"
+def busy_text(share: float, arriving: float | None) -> str:
+    """A busy share over the makespan, and in parentheses while requests arrived (where
+    measured): the form every table prints."""
+    return f"{share:.1%}" if arriving is None else f"{share:.1%} ({arriving:.1%})"
 
 
 def render_table(summaries: Sequence[PolicySummary], console: Console, title: str = "") -> None:
@@ -298,7 +298,7 @@ def render_table(summaries: Sequence[PolicySummary], console: Console, title: st
             f"{s.output_tps:,.0f}",
             f"{s.hit_rate:.1%}",
             *(f"{s.hit_rate_by_medium[m.value]:.1%}" for m in MEDIA),
-            _busy(s),
+            busy_text(s.busy_share, s.busy_share_arrivals),
             f"{s.load_cv:.2f}",
             ratio,
             str(s.preemptions),

@@ -41,7 +41,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ from kvrouter.bench.production import think_time
 from kvrouter.bench.report import (
     PolicySummary,
     RequestRecord,
+    busy_text,
     median_summary,
     plot_ttft_cdf,
     render_table,
@@ -663,13 +664,6 @@ def _print(cells: Sequence[CellResult], console: Console, seconds: float) -> Non
     console.print(f"suite: {len(cells)} cells in {seconds:,.0f} s")
 
 
-def _busy(row: Mapping[str, object]) -> str:
-    """The busiest peer's busy share over the makespan, and while requests arrived."""
-    text = f"{row['busy_peers']:.1%}"
-    arriving = row.get("busy_peers_arriving")
-    return text if arriving is None else f"{text} ({arriving:.1%})"
-
-
 def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console) -> None:
     table = Table(title=f"{name} set: {DEFAULT_POLICY} / best peer at each percentile")
     for col in (
@@ -692,7 +686,7 @@ def _print_ratios(name: str, rows: Sequence[dict[str, object]], console: Console
         always += bool(runs) and any(row[f"{p}_behind_runs"] == runs for p, _ in PERCENTILES[:3])
         table.add_row(
             str(row["cell"]),
-            _busy(row),
+            busy_text(row["busy_peers"], row.get("busy_peers_arriving")),  # type: ignore[arg-type]
             *(
                 f"{r:.2f} {row[f'{p}_best_peer']}"[:24] + b
                 for r, (p, _), b in zip(ratios, PERCENTILES, behind, strict=True)
