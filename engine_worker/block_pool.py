@@ -23,8 +23,13 @@ push that tier's LRU block further down, until the lowest tier drops one::
 
 A prefix hit on DRAM/SSD promotes the block: a fresh HBM block is taken
 (which may cascade as above), the bytes copied up and the lower slot freed.
-Only HBM blocks carry references; DRAM and SSD slots always sit in their
-medium's free queue, cached ones in LRU order and empty ones at the head.
+HBM blocks carry the references of the requests using them. DRAM and SSD
+slots sit in their medium's free queue, cached ones in LRU order and empty
+ones at the head, except while a reader (a KV transfer) pins them
+(:meth:`BlockPool.pin`): a pinned slot is out of its queue, so no eviction
+reuses it and its bytes stay as they were until it is released. A pinned
+lower-tier block a request promotes meanwhile hands its key to HBM as usual,
+and its slot returns to the queue, empty, once the reader lets go.
 
 A cached block's checksum (what a KV transfer sends with it,
 :mod:`engine_worker.block_checksum`) is metadata like its key: taken from the
@@ -303,69 +308,77 @@ class BlockPool:
                 if block.ref_cnt == 0:
                     hbm_queue.remove(block)
                 block.ref_cnt += 1
-            else:
+            elif block.ref_cnt == 0:  # a reader's pin already took it out of its queue
                 self._queues[block.medium].remove(block)
             self._stats.hits[block.medium] += 1
         return [b if b.medium is Medium.HBM else self._promote(b) for b in blocks]
 
     def pin(self, blocks: Sequence[Block]) -> list[Block]:
-        """Take one reference on cached HBM blocks so that nothing evicts or moves them
-        while another party reads them (a KV transfer); counted as no hit.
+        """Take one reference on cached blocks, on any medium, so that nothing evicts,
+        moves or overwrites their bytes while another party reads them (a KV transfer,
+        outside the pool's thread); counted as no hit.
 
-        Release them with :meth:`free`.
+        A pinned DRAM/SSD block leaves its free queue, so no demotion reuses its slot.
+        A request may still promote it (:meth:`acquire`): the key moves to HBM and the
+        slot, keyless, waits out of its queue with its bytes intact until released.
+        Release pins with :meth:`free`.
 
         Raises:
-            PoolError: A block is not a cached HBM block of this pool, or is repeated;
+            PoolError: A block is not a cached block of this pool, or is repeated;
                 nothing changed.
         """
         seen: set[int] = set()
         cached = self._cached
         for block in blocks:
-            if (
-                block.medium is not Medium.HBM
-                or block.key is None
-                or cached.get(block.key) is not block
-                or not self._owns(block)
-            ):
-                raise PoolError(f"{block!r} is not a cached HBM block of this pool")
+            if block.key is None or cached.get(block.key) is not block or not self._owns(block):
+                raise PoolError(f"{block!r} is not a cached block of this pool")
             if id(block) in seen:
-                raise PoolError(f"block {block.block_id} pinned twice")
+                raise PoolError(f"block {block.block_id} ({block.medium}) pinned twice")
             seen.add(id(block))
-        queue = self._queues[Medium.HBM]
+        queues = self._queues
         for block in blocks:
             if block.ref_cnt == 0:
-                queue.remove(block)
+                queues[block.medium].remove(block)
             block.ref_cnt += 1
         return list(blocks)
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference on each block.
+        """Drop one reference on each block (a request's HBM blocks, or pinned ones).
 
         A block reaching zero keeps its key (still matchable) and goes to the
-        tail of the HBM free queue, evicted last; an uncached one goes to the
+        tail of its medium's free queue, evicted last; an uncached one goes to the
         head, reused first. Pass a request's blocks in reverse order so that its
         tail blocks are evicted before its prefix, as vLLM does.
 
         Raises:
-            PoolError: A block is not an HBM block of this pool, or would drop below
+            PoolError: A block is not a block of this pool, or would drop below
                 zero references (double free); nothing changed.
         """
-        hbm = self._blocks[Medium.HBM]
+        all_blocks = self._blocks
         for done, block in enumerate(blocks):
-            bid = block.block_id if type(block) is Block else -1
-            if not 0 <= bid < len(hbm) or hbm[bid] is not block or block.ref_cnt <= 0:
+            slots = all_blocks.get(block.medium) if type(block) is Block else None
+            bid = block.block_id if slots is not None else -1
+            if (
+                slots is None
+                or not 0 <= bid < len(slots)
+                or slots[bid] is not block
+                or (block.ref_cnt <= 0)
+            ):
                 for undo in blocks[:done]:
                     undo.ref_cnt += 1
-                if 0 <= bid < len(hbm) and hbm[bid] is block:
-                    raise PoolError(f"double free of HBM block {bid} (ref_cnt {block.ref_cnt})")
-                raise PoolError(f"{block!r} is not an HBM block of this pool")
+                if slots is not None and 0 <= bid < len(slots) and slots[bid] is block:
+                    raise PoolError(
+                        f"double free of {block.medium} block {bid} (ref_cnt {block.ref_cnt})"
+                    )
+                raise PoolError(f"{block!r} is not a block of this pool")
             block.ref_cnt -= 1
-        queue = self._queues[Medium.HBM]
+        queues = self._queues
         for block in blocks:
+            queue = queues[block.medium]
             if block.ref_cnt == 0 and block not in queue:
                 if block.key is None:
                     queue.appendleft(block)
-                    self._empty[Medium.HBM] += 1
+                    self._empty[block.medium] += 1
                 else:
                     queue.append(block)
 
@@ -487,7 +500,7 @@ class BlockPool:
                 prev = b
             in_queue = {id(b) for b in queued}
             for b in blocks:
-                if b.ref_cnt < 0 or (m is not Medium.HBM and b.ref_cnt != 0):
+                if b.ref_cnt < 0:
                     raise PoolError(f"{m} block {b.block_id} has ref_cnt {b.ref_cnt}")
                 if (b.ref_cnt == 0) != (id(b) in in_queue):
                     raise PoolError(f"{m} block {b.block_id}: queued iff unreferenced is broken")
@@ -593,8 +606,9 @@ class BlockPool:
             self._storage.record_freed(src, lower.block_id)
         block.key, block.parent, block.checksum = key, parent, lower.checksum
         lower.key = lower.parent = lower.checksum = None
-        self._queues[src].appendleft(lower)
-        self._empty[src] += 1
+        if lower.ref_cnt == 0:  # else a reader still holds the slot: freed once it is done
+            self._queues[src].appendleft(lower)
+            self._empty[src] += 1
         self._cached[key] = block
         self._events.append(BlockRemoved(keys=[key], medium=src))
         self._events.append(BlockStored(keys=[key], parent=parent, medium=Medium.HBM))

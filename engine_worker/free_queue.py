@@ -37,7 +37,7 @@ class Block:
     Attributes:
         block_id: Slot index inside its medium's storage; HBM ids go in block tables.
         medium: The medium this slot belongs to (fixed for the slot's life).
-        ref_cnt: Requests using the block (HBM only; DRAM/SSD slots are never referenced).
+        ref_cnt: Requests using the block (HBM only) plus readers pinning it (any medium).
         key: Block key once the block is full and cached, else None.
         parent: Key of the block before it (the root parent for a first block).
         checksum: xxh3-64 of the block's bytes while it holds ``key``, when known (see

@@ -266,17 +266,119 @@ def test_double_free_raises_and_changes_nothing() -> None:
     pool.verify()
 
 
-def test_freeing_a_foreign_or_lower_tier_block_raises() -> None:
+def test_freeing_a_foreign_or_unpinned_lower_tier_block_raises() -> None:
     pool = BlockPool(TierCapacity(hbm=1, dram=1))
     other = BlockPool(TierCapacity(hbm=1))
     (mine,) = pool.allocate(1)
     for bad in (other.allocate(1)[0], Block(0, HBM, ref_cnt=1), Block(0, DRAM, ref_cnt=1)):
-        with pytest.raises(PoolError, match="not an HBM block of this pool"):
+        with pytest.raises(PoolError, match="not a block of this pool"):
             pool.free([mine, bad])
         assert mine.ref_cnt == 1
     with pytest.raises(PoolError):
         pool.free([mine, "block 0"])  # type: ignore[list-item]
     assert mine.ref_cnt == 1
+    # A lower-tier block of this pool carries no reference unless a reader pinned it.
+    pool.cache_block(mine, chain(1)[0], ROOT)
+    pool.free([mine])
+    pool.free(pool.allocate(1))
+    (lower,) = pool.match_prefix(chain(1))
+    assert lower.medium is DRAM
+    before = state(pool)
+    with pytest.raises(PoolError, match="double free of dram block"):
+        pool.free([lower])
+    assert state(pool) == before
+    pool.verify()
+
+
+def test_a_pinned_lower_tier_block_keeps_its_slot_and_bytes_whatever_is_evicted() -> None:
+    # What a KV transfer's sender relies on to read DRAM/SSD blocks outside the pool's
+    # thread: no demotion reuses a pinned slot, so its bytes stay the key's.
+    pool = BlockPool(TierCapacity(hbm=1, dram=2, ssd=1))
+    k1, k2, k3 = chain(1)[0], chain(2)[0], chain(3)[0]
+    for key in (k1, k2, k3):
+        finish(pool, run_request(pool, [key]))
+    assert pool.snapshot() == {HBM: [k3], DRAM: [k1, k2], SSD: []}
+    (d1,) = pool.match_prefix([k1])
+    assert pool.pin([d1]) == [d1]
+    assert (pool.num_free(DRAM), pool.usage()[DRAM]) == (1, 2)
+    # Four more requests push everything down: k1, the DRAM LRU, would have gone to SSD
+    # first; pinned, it stays where it is and the others go past it.
+    for token in range(4, 8):
+        finish(pool, run_request(pool, chain(token)))
+        pool.verify()
+    snap = pool.snapshot()
+    assert k1 in snap[DRAM]
+    assert pool.match_prefix([k1]) == [d1]
+    assert k2 not in snap[DRAM]
+    assert pool.stats().hits == {m: 0 for m in Medium}  # reading is not a hit
+    pool.free([d1])
+    assert pool.num_free(DRAM) == 2
+    pool.verify()
+    # Released, it is an ordinary cached block again, the most recently used of its tier:
+    # the second demotion after it takes it down.
+    finish(pool, run_request(pool, chain(9)))
+    assert k1 in pool.snapshot()[DRAM]
+    finish(pool, run_request(pool, chain(10)))
+    assert pool.snapshot()[SSD] == [k1]
+    pool.verify()
+
+
+def test_a_pinned_lower_tier_block_a_request_promotes_frees_its_slot_once_released() -> None:
+    pool = BlockPool(TierCapacity(hbm=1, dram=2))
+    k1, k2 = chain(1)[0], chain(2)[0]
+    finish(pool, run_request(pool, [k1]))
+    finish(pool, run_request(pool, [k2]))
+    (d1,) = pool.match_prefix([k1])
+    pool.pin([d1])
+    pool.take_events()
+    # A request hits k1 while a transfer reads it: the key moves up as usual...
+    (h1,) = pool.acquire(pool.match_prefix([k1]))
+    assert (h1.medium, h1.key) == (HBM, k1)
+    assert pool.take_events() == [
+        BlockRemoved(keys=[k2], medium=HBM),
+        BlockStored(keys=[k2], parent=ROOT, medium=DRAM),
+        BlockRemoved(keys=[k1], medium=DRAM),
+        BlockStored(keys=[k1], parent=ROOT, medium=HBM),
+    ]
+    # ... but the slot the reader holds stays out of reach, holding the bytes, keyless.
+    assert d1.key is None
+    assert (pool.num_free(DRAM), pool.usage()[DRAM]) == (1, 2)  # k2's slot, d1's held
+    pool.verify()
+    pool.free([d1])  # the reader is done: the slot is empty and reusable
+    assert (pool.num_free(DRAM), pool.usage()[DRAM]) == (2, 1)
+    with pytest.raises(PoolError, match="double free"):
+        pool.free([d1])
+    finish(pool, [h1])
+    pool.verify()
+
+
+def test_pinning_refuses_uncached_foreign_or_repeated_blocks_and_changes_nothing() -> None:
+    pool = BlockPool(TierCapacity(hbm=2, dram=1))
+    k1 = chain(1)[0]
+    finish(pool, run_request(pool, [k1]))
+    (cached,) = pool.match_prefix([k1])
+    (empty,) = pool.allocate(1)
+    before = state(pool)
+    for bad in ([empty], [Block(0, DRAM)], [cached, cached]):
+        with pytest.raises(PoolError):
+            pool.pin(bad)
+        assert state(pool) == before
+        assert cached.ref_cnt == 0
+    pool.verify()
+
+
+def test_clearing_the_cache_while_a_lower_tier_block_is_pinned() -> None:
+    pool = BlockPool(TierCapacity(hbm=1, dram=1))
+    finish(pool, run_request(pool, chain(1)))
+    finish(pool, run_request(pool, chain(2)))
+    (d1,) = pool.match_prefix(chain(1))
+    pool.pin([d1])
+    pool.clear_cache()
+    assert pool.match_prefix(chain(1)) == []
+    assert pool.usage()[DRAM] == 1  # still being read
+    pool.verify()
+    pool.free([d1])
+    assert (pool.num_free(DRAM), pool.usage()[DRAM]) == (1, 0)
     pool.verify()
 
 

@@ -1,12 +1,14 @@
 """Stateful property tests: random request traffic keeps the pool, its events and its bytes exact.
 
 A hypothesis state machine drives a pool the way a scheduler would (match,
-acquire, allocate, cache, free, clear) under memory pressure, plus bad use
-and, with storage, worker restarts over the same SSD directory. After every
-step it checks what a user of the pool relies on:
+acquire, allocate, cache, free, clear) under memory pressure, plus readers
+pinning cached blocks on any medium (a KV transfer being sent), bad use and,
+with storage, worker restarts over the same SSD directory. After every step it
+checks what a user of the pool relies on:
 
-* reference counts match the requests holding each block, never negative;
+* reference counts match the requests and readers holding each block, never negative;
 * free + in use = capacity per medium, and usage counts exactly the blocks holding data;
+* a pinned block's bytes stay what they were when pinned, whatever moves meanwhile;
 * every cached key resolves to a block holding that key, on one medium only;
 * replaying every drained event into ``{medium: set(keys)}`` gives ``snapshot()``;
 * with real tensors, every cached key's bytes are exactly those written when it was computed.
@@ -50,6 +52,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     with_storage = False
     requests = Bundle("requests")
+    readers = Bundle("readers")
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +64,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.storage: TierStorage | None = None
         self.tmp: Path | None = None
         self.gen = torch.Generator().manual_seed(0)
+        self.pinned: list[tuple[list[Block], list[bytes]]] = []
+        self.chains: list[list[int]] = []
 
     @initialize(hbm=st.integers(1, 6), dram=st.integers(0, 3), ssd=st.integers(0, 3))
     def build(self, hbm: int, dram: int, ssd: int) -> None:
@@ -90,6 +95,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(target=requests, tokens=prompts, extra=st.booleans())
     def run_request(self, tokens: list[int], extra: bool) -> tuple[int, list[Block]]:
         keys = block_keys(tokens, 1, ROOT)
+        self.chains.append(keys)
         match = self.pool.match_prefix(keys)
         assert [b.key for b in match] == keys[: len(match)]
         try:
@@ -128,13 +134,44 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.free(blocks[::-1])
         self._release(blocks)
 
+    @rule(target=readers, pick=st.integers(0, 1 << 16))
+    def pin_reader(self, pick: int) -> tuple[int, list[Block], list[bytes]]:
+        """Pin a run some request computed, wherever it sits now, as a KV transfer's
+        sender does."""
+        keys = self.chains[pick % len(self.chains)] if self.chains else []
+        blocks = self.pool.match_prefix(keys)
+        self.pool.pin(blocks)
+        self._hold(blocks)
+        seen = [self._bytes(b) for b in blocks]
+        self.pinned.append((blocks, seen))
+        return self.generation, blocks, seen
+
+    @rule(reader=consumes(readers))
+    def unpin_reader(self, reader: tuple[int, list[Block], list[bytes]]) -> None:
+        generation, blocks, seen = reader
+        if generation != self.generation:
+            if blocks:
+                with pytest.raises(PoolError):
+                    self.pool.free(blocks)
+            return
+        assert [self._bytes(b) for b in blocks] == seen
+        self.pool.free(blocks)
+        self._release(blocks)
+        self.pinned.remove((blocks, seen))
+
+    def _bytes(self, block: Block) -> bytes:
+        if self.storage is None:
+            return b""
+        return self.storage.read_bytes(block.medium, block.block_id)
+
     @rule(n=st.integers(1, 8))
     def pressure(self, n: int) -> None:
-        """Allocate and free at once, pushing cached blocks down the tiers."""
+        """Allocate and free at once, pushing cached blocks down the tiers (as many as
+        are allocatable when ``n`` are not)."""
         if not self.pool.can_allocate(n):
             with pytest.raises(PoolExhaustedError):
                 self.pool.allocate(n)
-            return
+            n = self.pool.num_free(Medium.HBM)
         self.pool.free(self.pool.allocate(n))
 
     @rule()
@@ -169,6 +206,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.storage.close()
         self.refs.clear()
         self.known.clear()
+        self.pinned.clear()
         self.generation += 1
         self.pool = self._open()
         self.replay = EventReplay()
@@ -195,16 +233,15 @@ class PoolMachine(RuleBasedStateMachine):
                     assert torch.equal(stored, self.content[key])
         for block_id, block in self.known.items():
             assert block.ref_cnt == self.refs[block_id] >= 0
+        for blocks, seen in self.pinned:
+            assert [self._bytes(b) for b in blocks] == seen
         in_use = {i for i, c in self.refs.items() if c > 0}
-        assert pool.num_free(Medium.HBM) + len(in_use) == self.cap.hbm
-        assert pool.num_free(Medium.DRAM) == self.cap.dram
-        assert pool.num_free(Medium.SSD) == self.cap.ssd
-        holding = in_use | {id(b) for b in pool.match_prefix(snap[Medium.HBM])}
-        assert pool.usage() == {
-            Medium.HBM: len(holding),
-            Medium.DRAM: len(snap[Medium.DRAM]),
-            Medium.SSD: len(snap[Medium.SSD]),
-        }
+        for m in MEDIA:
+            held = {i for i in in_use if self.known[i].medium is m}
+            assert pool.num_free(m) + len(held) == self.cap.of(m)
+            # A pinned slot holds data (the bytes being read) even once its key moved on.
+            holding = held | {id(pool.match_prefix([k])[0]) for k in snap[m]}
+            assert pool.usage()[m] == len(holding)
 
 
 class MetadataPoolMachine(PoolMachine):
@@ -222,7 +259,7 @@ _fast = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-MetadataPoolMachine.TestCase.settings = _fast
+MetadataPoolMachine.TestCase.settings = settings(_fast, max_examples=250)
 TensorPoolMachine.TestCase.settings = settings(_fast, max_examples=30)
 
 TestMetadataPool = MetadataPoolMachine.TestCase
