@@ -17,8 +17,8 @@ leaves the windows imported so far (each a valid prefix) and raises
 missing. Every pull is timed end to end (from asking the pool what it lacks to
 the blocks cached, :attr:`PullResult.seconds`); the worker's transfer bandwidth,
 which its heartbeat publishes, folds in only the time its blocks were streaming
-(from the transfer's first byte to its last). A source reads its DRAM and SSD
-blocks before it sends that first byte, and the router prices those reads
+(from the transfer's first byte to its last). A source reads its SSD blocks
+before it sends that first byte, and the router prices those reads
 itself, per source and medium (:func:`policies.cost_model.peer_read_seconds`),
 so a pull of a peer's SSD copy must not make every later pull look that slow.
 A ``sim`` worker's pulls take and publish modeled time instead

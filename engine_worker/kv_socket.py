@@ -10,9 +10,10 @@ One request per connection::
     server -> the transfer (:mod:`engine_worker.kv_transfer`: b"KVX1" header + blocks)
            or b"KVE1" | u32 length | msgpack {"reason", "message"}; then it closes.
 
-The request, the refusal and the transfer header go over the event loop; the
-blocks themselves are moved by one blocking thread per end (the server sends
-from the pinned KV tensor itself, the client receives each block into the pool
+The request and the refusal go over the event loop; the transfer itself is
+moved by one blocking thread per end (the server reads the SSD blocks it serves,
+then sends the header and every block from where it is pinned, the KV tensors
+themselves for host memory; the client receives each block into the pool
 block reserved for it and checks it as it lands), so the bytes are copied only
 by the kernel, as in a raw socket copy, without an event-loop round per
 ``send``/``recv``. The loop keeps the deadline: when it passes, or the task is
@@ -179,10 +180,8 @@ class KvSocketServer:
                 return
             out = await self._export(request.keys, request.release)
             try:
-                head = encode_transfer(out.header)
                 limit = self._send_timeout_s
-                await _in_thread(conn, lambda: _send(conn, head, out.payload, limit),
-                                 self._senders, limit)  # fmt: skip
+                await _in_thread(conn, lambda: _send(conn, out, limit), self._senders, limit)
             finally:
                 out.close()
         except (TimeoutError, OSError) as exc:
@@ -210,14 +209,14 @@ class KvSocketServer:
         return request
 
 
-def _send(
-    conn: socket.socket, head: bytes, payload: Sequence[memoryview | bytes], timeout_s: float
-) -> None:
-    """Send a transfer's header and blocks (blocking, each call within ``timeout_s``: the
-    thread ends even if nobody shuts the socket down; on a sender thread)."""
+def _send(conn: socket.socket, out: Outgoing, timeout_s: float) -> None:
+    """Read what the transfer still lacks (SSD blocks, unknown checksums), then send its
+    header and blocks (blocking, each call within ``timeout_s``: the thread ends even if
+    nobody shuts the socket down; on a sender thread)."""
+    out.finish()
     conn.settimeout(timeout_s)
-    conn.sendall(head)
-    for data in payload:
+    conn.sendall(encode_transfer(out.header))
+    for data in out.payload:
         if len(data):
             conn.sendall(data)
 

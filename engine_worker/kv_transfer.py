@@ -19,14 +19,18 @@ what it asked for, the exact byte count (a truncated or overlong stream is
 refused) and every checksum. A refused transfer raises :class:`TransferError`
 whose ``reason`` labels the worker's failure metric; the caller recomputes.
 
-Serving takes every requested block in one pool call, under the scheduler
-lock (:func:`export_pinned`, :meth:`~engine_worker.engine.EngineLoop.pool_call`):
-blocks in host-memory HBM are pinned (the scheduler cannot evict, move or
-overwrite them) and sent from where they are until the transfer ends; blocks
-on other media are copied out in that call. So a transfer is never torn. The
+Serving pins every requested block in one pool call, under the scheduler
+lock (:func:`export_pinned`, :meth:`~engine_worker.engine.EngineLoop.pool_call`),
+on whatever medium it sits: the scheduler cannot evict, move or overwrite a
+pinned block's bytes until the transfer ends, so a transfer is never torn.
+Blocks in host memory (HBM on a CPU worker, DRAM) are sent from where they
+are; SSD blocks are read by the sender, off the engine thread and outside the
+lock (:meth:`Outgoing.finish`), so a large read never holds up the source's
+steps; only blocks in device memory are copied out in the pool call. The
 checksums come from the pool, which keeps one per cached block
 (:mod:`engine_worker.block_checksum`); only blocks cached without one (device
-memory, SSD restored at start) are hashed then. Requests are capped
+memory, SSD restored at start) are hashed, by the sender, and the pool
+remembers them when the transfer closes. Requests are capped
 at :data:`MAX_TRANSFER_BLOCKS` blocks; a client pulls longer runs in windows.
 A receiver reserves fresh HBM blocks for the keys it lacks
 (:func:`reserve_import`, as soon as it knows which: before it asks) and
@@ -45,11 +49,12 @@ metadata, as the simulated pool needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -173,19 +178,39 @@ def check_block(header: TransferHeader, i: int, data: memoryview) -> None:
 class Outgoing:
     """One transfer ready to send: the header and one payload per block.
 
-    Blocks cached in host-memory HBM are sent in place: they are pinned (no eviction,
-    no move) until :meth:`close`; the others were copied out. Call :meth:`close` once
-    the bytes are sent, on the thread that owns the pool (a worker wraps it).
+    Every block is pinned in the source's pool until :meth:`close`. Blocks in host
+    memory are sent in place; SSD blocks are read, and checksums the pool did not
+    know are computed, by :meth:`finish`, which the sender calls off the engine thread
+    before it encodes the header. Call :meth:`close` once the bytes are sent, on the
+    thread that owns the pool (a worker wraps it).
     """
 
     header: TransferHeader
     payload: list[memoryview | bytes]
     on_close: Callable[[], None]
+    #: Blocks still to read (index -> reader), and blocks whose checksum is unknown.
+    reads: dict[int, Callable[[], bytes]] = field(default_factory=dict)
+    unhashed: list[int] = field(default_factory=list)
+    #: Blocks :meth:`finish` hashed (their checksums are news for the pool).
+    hashed: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """Bytes of block data."""
-        return sum(len(p) for p in self.payload)
+        return self.header.block_bytes * len(self.header.keys)
+
+    def finish(self) -> None:
+        """Read what is still to read and hash what is unhashed (blocking: storage I/O;
+        call it on a sender thread, while the blocks are pinned, i.e. before
+        :meth:`close`). Idempotent."""
+        payload, checksums = self.payload, self.header.checksums
+        for i, read in self.reads.items():
+            payload[i] = read()
+        self.reads = {}
+        for i in self.unhashed:
+            checksums[i] = block_checksum(payload[i])
+        self.hashed += self.unhashed
+        self.unhashed = []
 
     def close(self) -> None:
         """Release the pinned blocks (idempotent)."""
@@ -204,13 +229,14 @@ def export_pinned(
     block_size: int,
     keys: Sequence[int],
 ) -> Outgoing:
-    """The longest cached run of ``keys`` (from the first), ready to send.
+    """The longest cached run of ``keys`` (from the first), pinned, ready to send.
 
-    Runs under the scheduler lock (a pool call): HBM blocks in host memory are pinned and
-    sent from where they are (zero-copy), the others (DRAM, SSD, device memory) are
+    Runs under the scheduler lock (a pool call) and reads no storage but device
+    memory: blocks in host memory are sent from where they are (zero-copy), SSD
+    blocks are left for :meth:`Outgoing.finish` to read, device-memory blocks are
     copied out now. Checksums are the pool's; a block cached without one is hashed
-    now and the pool remembers it. Serves fewer keys than asked (possibly none) when
-    the pool lacks the rest.
+    by :meth:`Outgoing.finish`, and :meth:`Outgoing.close` tells the pool. Serves
+    fewer keys than asked (possibly none) when the pool lacks the rest.
     """
     if len(keys) > MAX_TRANSFER_BLOCKS:
         raise TransferError("count", f"{len(keys)} blocks asked, at most {MAX_TRANSFER_BLOCKS}")
@@ -218,23 +244,31 @@ def export_pinned(
     dtype, shape, size = _geometry(layout, block_size)
     blocks = pool.match_prefix(keys)
     payload: list[memoryview | bytes] = []
+    reads: dict[int, Callable[[], bytes]] = {}
+    unhashed: list[int] = []
     checksums: list[int] = []
-    in_place = []
-    for block in blocks:
+    for i, block in enumerate(blocks):
         data: memoryview | bytes | None = None
-        if storage is not None and block.medium is Medium.HBM:
-            data = storage.block_view(Medium.HBM, block.block_id)
-        if data is not None:
-            in_place.append(block)
+        if storage is None:
+            data = b""
+        elif block.medium is Medium.SSD:
+            reads[i] = functools.partial(storage.read_bytes, Medium.SSD, block.block_id)
+            data = b""
         else:
-            data = b"" if storage is None else storage.read_bytes(block.medium, block.block_id)
+            data = storage.block_view(block.medium, block.block_id)
+            if data is None:  # device memory
+                data = storage.read_bytes(block.medium, block.block_id)
         payload.append(data)
         value = block.checksum
         if value is None:
-            value = block_checksum(data)
-            pool.note_checksum(block, value)
+            if storage is None:
+                value = block_checksum(data)
+                pool.note_checksum(block, value)
+            else:
+                unhashed.append(i)
+                value = 0
         checksums.append(value)
-    pinned = pool.pin(in_place)
+    pinned = pool.pin(blocks)
     header = TransferHeader(
         model=model,
         block_size=block_size,
@@ -245,7 +279,17 @@ def export_pinned(
         keys=[b.key for b in blocks if b.key is not None],
         checksums=checksums,
     )
-    return Outgoing(header, payload, lambda: pool.free(pinned[::-1]))
+    out = Outgoing(header, payload, _nothing, reads, unhashed)
+
+    def release() -> None:
+        for i in out.hashed:  # still cached under its key: the pool keeps what was learned
+            block = pinned[i]
+            if block.key == header.keys[i] and block.checksum is None:
+                pool.note_checksum(block, header.checksums[i])
+        pool.free(pinned[::-1])
+
+    out.on_close = release
+    return out
 
 
 def export_blocks(
@@ -258,6 +302,7 @@ def export_blocks(
     """:func:`export_pinned`, every block copied out (for senders that outlive the step)."""
     out = export_pinned(pool, storage, model, block_size, keys)
     try:
+        out.finish()
         return out.header, [bytes(p) for p in out.payload]
     finally:
         out.close()

@@ -35,6 +35,7 @@ from engine_worker.serving import (
 from engine_worker.serving import stream_body as _stream_body
 from engine_worker.settings import WorkerSettings
 from engine_worker.worker import Worker
+from indexer.media import MEDIA
 
 __all__ = ["create_app"]
 
@@ -206,8 +207,11 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         def read(s: Any) -> dict[str, Any]:
             st = s.pool.stats()
             cap = s.pool.capacity()
+            # Referenced blocks: a request's (HBM) or pinned for a transfer (any medium).
+            held = {m: cap.of(m) - s.pool.num_free(m) for m in MEDIA}
             return {
-                "in_use_blocks": cap.hbm - s.pool.num_free(),
+                "in_use_blocks": sum(held.values()),
+                "in_use_by_medium": {m.value: n for m, n in held.items()},
                 "usage": {m.value: n for m, n in s.pool.usage().items()},
                 "demotions": {m.value: n for m, n in st.demotions.items()},
                 "promotions": {m.value: n for m, n in st.promotions.items()},

@@ -357,19 +357,27 @@ class Worker:
     async def export_blocks(
         self, keys: Sequence[int], release: str | None = None
     ) -> tuple[TransferHeader, list[bytes]]:
-        """The longest cached run of ``keys``, copied out in one pool call; then the
-        lease ``release`` (if any) is released in the same call."""
+        """The longest cached run of ``keys``, pinned in one pool call (the lease
+        ``release``, if any, is released in the same call), then read and copied out on
+        a thread."""
         out = await self.export_pinned(keys, release)
+
+        def copy() -> list[bytes]:
+            out.finish()
+            return [bytes(p) for p in out.payload]
+
+        copying = asyncio.ensure_future(asyncio.to_thread(copy))
         try:
-            return out.header, [bytes(p) for p in out.payload]
+            return out.header, await asyncio.shield(copying)
         finally:
-            out.close()
+            # The pins go once the thread is done with the blocks, even if we are not.
+            copying.add_done_callback(lambda _: out.close())
 
     async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
-        """The longest cached run of ``keys``, taken in one pool call, which a running
-        step does not hold up (HBM blocks pinned and sent in place, see
-        :func:`export_pinned`); the lease ``release`` (if any) is released in the same
-        call. Close the result once sent: the pins are dropped in another."""
+        """The longest cached run of ``keys``, pinned in one pool call, which a running
+        step does not hold up and which reads no SSD (see :func:`export_pinned`); the
+        lease ``release`` (if any) is released in the same call. Close the result once
+        sent: the pins are dropped in another."""
         storage = self.storage
         engine = self.engine
         modeled = self.puller.modeled

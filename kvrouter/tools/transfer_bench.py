@@ -19,12 +19,21 @@ prefill an ``N``-token prompt of their own (sent just before the pull), and repo
 that pull's time over the idle one's: what a pull to or from a busy worker costs
 (the pool work of a pull used to wait for each worker's step in progress).
 
+With ``--from-ssd`` worker A keeps a small HBM over an SSD tier, and each
+prompt is pushed down to A's SSD before B pulls it, while A streams a decode of
+its own: the table then gives A's decode step gaps during the pull against its
+median gap, i.e. how long serving a peer's pull of SSD blocks holds up the
+source's own steps (a source used to read those blocks inside its pool call,
+under the scheduler lock).
+
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 1024 --busy-tokens 6144
+    python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048 --from-ssd
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -90,7 +99,7 @@ def raw_copy_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
 
 
 def _start(
-    name: str, port: int, log_dir: Path, blocks: int, prompt_tokens: int
+    name: str, port: int, log_dir: Path, blocks: int, prompt_tokens: int, ssd_blocks: int = 0
 ) -> subprocess.Popen[bytes]:
     length = max(min(8192, blocks * 16), prompt_tokens + 16)
     args = [
@@ -98,6 +107,8 @@ def _start(
         "--port", str(port), "--name", name, "--hbm-blocks", str(blocks), "--dram-blocks", "0",
         "--max-model-len", str(length), "--max-num-batched-tokens", "2048",
     ]  # fmt: skip
+    if ssd_blocks:
+        args += ["--ssd-blocks", str(ssd_blocks), "--ssd-path", str(log_dir / f"{name}-ssd")]
     log = (log_dir / f"{name}.log").open("wb")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -134,6 +145,49 @@ def _pull(a: str, b: str, model: str, prompt: list[int]) -> dict[str, Any]:
     return pull
 
 
+def _on_ssd(url: str, model: str, prompt: list[int]) -> int:
+    """How many of ``prompt``'s blocks ``url`` holds on its SSD."""
+    from indexer.keys import block_keys, root_parent
+
+    keys = set(block_keys(prompt, 16, root_parent(model)))
+    held = httpx.get(f"{url}/kv/keys", timeout=10).json()["blocks"]
+    return len(keys & set(held.get("ssd", [])))
+
+
+def _decode_times(url: str, model: str, prompt: list[int], tokens: int) -> list[float]:
+    """Stream a greedy decode of ``tokens`` tokens; the arrival time of each."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    times = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+def _pull_beside_decode(
+    a: str, b: str, model: str, prompt: list[int], rng: random.Random
+) -> tuple[dict[str, Any], float, float]:
+    """Pull ``prompt`` from ``a`` to ``b`` while ``a`` streams a decode; returns the pull,
+    ``a``'s longest step gap during it and its median gap over the whole decode."""
+    times: list[float] = []
+    question = [rng.randrange(VOCAB) for _ in range(32)]
+    thread = threading.Thread(target=lambda: times.extend(_decode_times(a, model, question,
+                                                                         160)))  # fmt: skip
+    thread.start()
+    time.sleep(1.5)  # the decode is under way
+    t0 = time.perf_counter()
+    pull = _pull(a, b, model, prompt)
+    t1 = time.perf_counter()
+    thread.join()
+    gaps = [(end, end - start) for start, end in itertools.pairwise(times)]
+    during = [g for end, g in gaps if t0 <= end and end - g <= t1]
+    if not during:
+        raise RuntimeError("the decode did not overlap the pull; lengthen it")
+    return pull, max(during), statistics.median(g for _, g in gaps)
+
+
 def _busy(urls: tuple[str, str], model: str, prompts: list[list[int]]) -> list[threading.Thread]:
     """Start one long prefill on each worker (threads; join them after)."""
 
@@ -154,16 +208,26 @@ def main(
         int, typer.Option(min=0, help="Also pull while both workers prefill this many tokens")
     ] = 0,
     seed: Annotated[int, typer.Option(help="Prompt seed")] = 0,
+    from_ssd: Annotated[
+        bool, typer.Option(help="Pull each prompt off A's SSD while A decodes")
+    ] = False,
 ) -> None:
     """Measure and print the transfer / raw loopback throughput ratio."""
     console = Console()
     rng = random.Random(seed)
     per_round = (prompt_tokens // 16 + 2) * (2 if busy_tokens else 1) + 2 * (busy_tokens // 16 + 2)
     blocks = rounds * per_round + 64
+    # From SSD: A's HBM holds two prompts and a decode, so a filler prompt of the same
+    # size pushes the one before down to SSD, which holds every round's.
+    hbm_a = 2 * (prompt_tokens // 16 + 2) + 16 if from_ssd else blocks
+    ssd_a = 2 * rounds * (prompt_tokens // 16 + 2) if from_ssd else 0
     with tempfile.TemporaryDirectory() as tmp:
         ports = free_port(), free_port()
         length = max(prompt_tokens, busy_tokens)
-        procs = [_start(n, p, Path(tmp), blocks, length) for n, p in zip("ab", ports, strict=True)]
+        procs = [
+            _start("a", ports[0], Path(tmp), hbm_a, length, ssd_a),
+            _start("b", ports[1], Path(tmp), blocks, length),
+        ]
         a, b = (f"http://127.0.0.1:{p}" for p in ports)
         try:
             for url, proc in zip((a, b), procs, strict=True):
@@ -171,10 +235,18 @@ def main(
             model = httpx.get(f"{a}/v1/models", timeout=10).json()["data"][0]["id"]
             rows = []
             busy: list[tuple[float, float]] = []
+            stalls: list[tuple[int, float, float, float]] = []
             for _ in range(rounds):
                 prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
                 _prefill(a, model, prompt)
-                pull = _pull(a, b, model, prompt)
+                if from_ssd:
+                    for _ in range(2):
+                        _prefill(a, model, [rng.randrange(VOCAB) for _ in range(prompt_tokens)])
+                    on_ssd = _on_ssd(a, model, prompt)
+                    pull, stall, median_gap = _pull_beside_decode(a, b, model, prompt, rng)
+                    stalls.append((on_ssd, pull["seconds"], stall, median_gap))
+                else:
+                    pull = _pull(a, b, model, prompt)
                 raw = raw_copy_seconds(pull["bytes"])
                 rows.append((pull["pulled"], pull["bytes"], pull["seconds"], raw))
                 if busy_tokens:
@@ -211,6 +283,20 @@ def main(
                            justify="right"))  # fmt: skip
         median = statistics.median(loaded / idle for idle, loaded in busy)
         console.print(f"median busy / idle pull time: {median:.2f}")
+    if stalls:
+        gap_rows = [
+            (str(i), str(n), f"{pull_s * 1e3:,.0f}", f"{gap * 1e3:,.0f}",
+             f"{typical * 1e3:,.0f}", f"{gap / typical:.2f}")
+            for i, (n, pull_s, gap, typical) in enumerate(stalls)
+        ]  # fmt: skip
+        title = "A pull of A's SSD blocks while A decodes: A's step gaps"
+        columns = ("round", "blocks on SSD", "pull ms", "A's longest gap during it ms",
+                   "A's median gap ms", "longest / median")  # fmt: skip
+        console.print(grid(title, columns, gap_rows, justify="right"))
+        ratio = statistics.median(gap / typical for _, _, gap, typical in stalls)
+        pull_ms = statistics.median(pull_s for _, pull_s, _, _ in stalls) * 1e3
+        console.print(f"median longest / median gap during the pull: {ratio:.2f}; "
+                      f"median pull {pull_ms:,.0f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover

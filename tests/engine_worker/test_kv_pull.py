@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engine_worker.kv_transfer import TransferHeader, checksum
 from engine_worker.profiles import default_profile
 from engine_worker.server import create_app
 from engine_worker.settings import WorkerSettings
@@ -151,6 +153,47 @@ def test_pulls_beside_busy_steps_keep_every_output_exact() -> None:
         assert in_use(a) == in_use(b) == 0
 
 
+def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Path) -> None:
+    # The source pins the blocks on every tier in one pool call and reads the SSD ones on
+    # its sending thread; whichever path the bytes take (data socket or HTTP), the
+    # receiver gets the prefix exactly and the source holds no pin afterwards.
+    prompt = list(range(3000, 3080))  # 5 full blocks
+    keys = block_keys(prompt, 16, root_parent("tiny"))
+    small = settings(
+        "src", hbm_blocks=12, dram_blocks=2, ssd_blocks=64, ssd_path=tmp_path, max_model_len=128
+    )
+    with workers(small, settings("dst")) as (src, dst):
+        text = complete(src, prompt)["choices"][0]["text"]
+        for i in range(3):  # 18 more blocks push the prompt's down the tiers
+            complete(src, list(range(4000 + 100 * i, 4080 + 100 * i)))
+        held = httpx.get(f"{src}/kv/keys", headers=AUTH, timeout=10).json()["blocks"]
+        where = {k: m for m, ks in held.items() for k in ks}
+        assert all(k in where for k in keys)
+        assert [where[k] for k in keys].count(Medium.SSD.value) >= 3
+        r = pull(dst, src, keys=keys)
+        assert r.status_code == 200, r.text
+        assert r.json()["pulled"] == 5
+        pooled = complete(dst, prompt)
+        assert pooled["choices"][0]["text"] == text
+        assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        # The HTTP path reads the same way.
+        body = httpx.post(f"{src}/kv/blocks", json={"keys": keys}, headers=AUTH, timeout=10)
+        assert body.status_code == 200
+        data = body.content
+        length = int.from_bytes(data[4:8], "big")
+        header = msgspec.msgpack.decode(data[8 : 8 + length], type=TransferHeader)
+        size, rest = header.block_bytes, data[8 + length :]
+        assert header.keys == keys
+        assert len(rest) == 5 * size > 0
+        assert [checksum(rest[i * size : (i + 1) * size]) for i in range(5)] == header.checksums
+        # Serving moved nothing and holds nothing: the source's copies stay where they were.
+        held = httpx.get(f"{src}/kv/keys", headers=AUTH, timeout=10).json()["blocks"]
+        assert {k: m for m, ks in held.items() for k in ks if k in where} == where
+        assert in_use(src) == 0
+        stats = httpx.get(f"{src}/kv/stats", headers=AUTH, timeout=10).json()
+        assert set(stats["in_use_by_medium"].values()) == {0}
+
+
 def test_transfers_need_the_internal_token(trio: list[str]) -> None:
     a, b, _ = trio
     complete(a)
@@ -254,7 +297,7 @@ def test_a_tampered_transfer_is_refused_and_leaves_nothing_behind(
 
 
 def test_the_published_bandwidth_leaves_out_the_sources_time_before_its_first_byte() -> None:
-    # A source copies its DRAM and SSD blocks out before it sends the header, and the
+    # A source reads its SSD blocks before it sends the header, and the
     # router prices those reads per source (policies.cost_model.peer_read_seconds). Folded
     # into the bandwidth, one pull of a peer's SSD copy made every later pull, from any
     # peer's HBM, look as slow as that SSD. The relay holds the source's answer back for

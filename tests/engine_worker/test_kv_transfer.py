@@ -57,6 +57,12 @@ def fill(
     pool.free(blocks[::-1])
 
 
+def fill_one_by_one(pool: BlockPool, storage: TierStorage) -> None:
+    """Cache ``KEYS`` one block per request: each pushes the ones before down the tiers."""
+    for i in range(len(KEYS)):
+        fill(pool, storage, KEYS[i : i + 1], seed=i, parent=KEYS[i - 1] if i else ROOT)
+
+
 async def chunks_of(data: bytes, size: int = 37) -> AsyncIterator[bytes]:
     for i in range(0, len(data), size):
         yield data[i : i + size]
@@ -245,6 +251,41 @@ def test_blocks_being_sent_are_pinned_in_place_until_the_transfer_closes() -> No
     pool.verify()
 
 
+def test_ssd_blocks_are_read_by_the_sender_and_stay_pinned_until_the_transfer_closes(
+    tmp_path: Path,
+) -> None:
+    # The pool call that takes a transfer reads nothing off the SSD (a large read there
+    # held up the source's next step); the sender reads it afterwards, on its own thread,
+    # while the pool goes on. Pinned, no demotion can reuse those slots meanwhile.
+    capacity = TierCapacity(hbm=5, dram=2, ssd=8)
+    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(capacity, storage)
+        fill_one_by_one(pool, storage)
+        fill(pool, storage, block_keys(list(range(400, 412)), 4, ROOT), seed=7)
+        blocks = pool.match_prefix(KEYS)
+        media = [b.medium for b in blocks]
+        assert media == [Medium.SSD] * 2 + [Medium.DRAM] * 2 + [Medium.HBM] * 2
+        truth = [storage.read_bytes(b.medium, b.block_id) for b in blocks]
+        out = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
+        assert sorted(out.reads) == [0, 1]  # left for the sender
+        assert out.header.checksums == [b.checksum for b in blocks]
+        # The source goes on meanwhile: a request promotes the pinned SSD and DRAM blocks
+        # out from under the transfer, and new blocks push through every tier.
+        hit = pool.acquire(pool.match_prefix(KEYS)[:3])
+        assert [b.medium for b in pool.match_prefix(KEYS)[:3]] == [Medium.HBM] * 3
+        pool.free(hit[::-1])
+        fill(pool, storage, block_keys(list(range(500, 512)), 4, ROOT), seed=9)
+        pool.verify()
+        out.finish()
+        assert out.reads == {}
+        assert [bytes(p) for p in out.payload] == truth
+        assert out.header.checksums == [checksum(t) for t in truth]
+        out.close()
+        # Every pin is gone: each tier's slots are free or cached again.
+        assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
+        pool.verify()
+
+
 async def test_a_refused_reservation_gives_its_blocks_back_uncached() -> None:
     header, blocks = source()
     storage, pool = storage_and_pool(hbm=8, dram=0)
@@ -349,8 +390,7 @@ def test_a_block_cached_without_a_checksum_is_hashed_once_when_first_sent(
     capacity = TierCapacity(hbm=2, dram=0, ssd=8)
     with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
         pool = BlockPool(capacity, storage)
-        for i in range(len(KEYS)):  # one at a time: each pushes the one before to SSD
-            fill(pool, storage, KEYS[i : i + 1], seed=i, parent=KEYS[i - 1] if i else ROOT)
+        fill_one_by_one(pool, storage)
         sums = [b.checksum for b in pool.match_prefix(KEYS)]
     # After a restart, the SSD journal knows keys, not checksums.
     with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
