@@ -366,12 +366,17 @@ class Worker:
             out.finish()
             return [bytes(p) for p in out.payload]
 
+        def done(task: asyncio.Future[list[bytes]]) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: a caller that left has nobody to raise it to
+            out.close()
+
         copying = asyncio.ensure_future(asyncio.to_thread(copy))
         try:
             return out.header, await asyncio.shield(copying)
         finally:
             # The pins go once the thread is done with the blocks, even if we are not.
-            copying.add_done_callback(lambda _: out.close())
+            copying.add_done_callback(done)
 
     async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
         """The longest cached run of ``keys``, pinned in one pool call, which a running
