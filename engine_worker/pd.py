@@ -18,10 +18,12 @@ block ids:
   the prompt and decodes. A failed or refused pull is logged and counted, and
   the worker computes the prompt itself: the client gets one correct answer.
 
-A lease (:class:`Leases`) keeps the leading HBM run of a prompt's blocks
-referenced, so the pool cannot evict them, until the decoder's pull names it
-or its time runs out (default 30 s); then they are freed like a finished
-request's blocks (still cached).
+A lease (:class:`Leases`) pins the cached run of a prompt's blocks, on
+whatever medium each sits (a block the pool demoted between the prefill's end
+and the lease is held on DRAM or SSD, where a decoder's pull reads it), so the
+pool cannot evict them, until the decoder's pull names it or its time runs out
+(default 30 s); then they are released like a finished request's blocks
+(still cached). A lease is not a prefix hit and does not count as one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import httpx
 from engine_worker.block_pool import Block
 from engine_worker.protocol import ApiError
 from engine_worker.scheduler import Scheduler
-from indexer.media import Medium
 
 __all__ = ["Lease", "Leases", "PdParams", "parse_pd", "remote_address"]
 
@@ -137,14 +138,9 @@ class Leases:
         return len(self._leases)
 
     def hold(self, s: Scheduler, lease_id: str, keys: Sequence[int], ttl_s: float) -> list[int]:
-        """Reference the leading HBM run of ``keys``; returns the keys held (maybe none)."""
+        """Pin the cached run of ``keys`` on any medium; returns the keys held (maybe none)."""
         self.release(s, lease_id)
-        run = []
-        for block in s.pool.match_prefix(keys):
-            if block.medium is not Medium.HBM:
-                break
-            run.append(block)
-        held = s.pool.acquire(run)
+        held = s.pool.pin(s.pool.match_prefix(keys))
         if held:
             self._leases[lease_id] = Lease(held, time.monotonic() + ttl_s)
         return [b.key for b in held if b.key is not None]

@@ -420,7 +420,7 @@ class Worker:
         return out
 
     async def hold_blocks(self, lease_id: str, keys: Sequence[int]) -> list[int]:
-        """Hold the leading HBM run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
+        """Hold the cached run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
         ttl = self.settings.lease_ttl_s
         return await self.engine.apool_call(lambda s: self.leases.hold(s, lease_id, keys, ttl))
 
