@@ -194,6 +194,44 @@ def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Pat
         assert set(stats["in_use_by_medium"].values()) == {0}
 
 
+def test_pulls_of_lower_tier_copies_while_the_source_churns_its_tiers_stay_exact(
+    tmp_path: Path,
+) -> None:
+    # A source with little HBM serves its SSD copies while its own traffic demotes,
+    # evicts and promotes (the pulled prompts are asked again there too, so the blocks
+    # being read may be promoted under the sender's pins; test_kv_transfer makes that
+    # happen for sure): every pull is whole and exact, every output unchanged, and no
+    # pin outlives its transfer.
+    pulled = [list(range(3300 + 90 * i, 3380 + 90 * i)) for i in range(4)]  # 5 blocks each
+    busy = [[(37 * j + 11 * k) % 900 + 1 for k in range(150)] for j in range(6)]
+    tiers = {"hbm_blocks": 16, "dram_blocks": 4, "ssd_blocks": 256, "ssd_path": tmp_path,
+             "max_model_len": 176}  # fmt: skip
+    with workers(settings("a", **tiers), settings("b"), settings("c")) as (a, b, c):
+        refs = [complete(c, p)["choices"][0]["text"] for p in pulled]
+        fresh = [complete(c, q, max_tokens=12)["choices"][0]["text"] for q in busy]
+        for p in pulled:
+            complete(a, p)
+        with ThreadPoolExecutor(12) as pool:
+            loads = [pool.submit(complete, a, q, 12) for q in busy]
+            again = [pool.submit(complete, a, p) for p in pulled]
+            pulls = [
+                pool.submit(pull, b, a, block_keys(p, 16, root_parent("tiny"))) for p in pulled
+            ]
+            for f in pulls:
+                r = f.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["pulled"] == 5
+            assert [f.result()["choices"][0]["text"] for f in loads] == fresh
+            assert [f.result()["choices"][0]["text"] for f in again] == refs
+        for p, ref in zip(pulled, refs, strict=True):
+            pooled = complete(b, p)
+            assert pooled["choices"][0]["text"] == ref
+            assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        for url in (a, b):
+            stats = httpx.get(f"{url}/kv/stats", headers=AUTH, timeout=10).json()
+            assert set(stats["in_use_by_medium"].values()) == {0}, stats
+
+
 def test_transfers_need_the_internal_token(trio: list[str]) -> None:
     a, b, _ = trio
     complete(a)
