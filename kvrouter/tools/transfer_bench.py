@@ -51,6 +51,7 @@ import httpx
 import typer
 from rich.console import Console
 
+from indexer.keys import block_keys, root_parent
 from kvrouter.embedded_redis import free_port
 from kvrouter.tools.table import grid
 
@@ -132,11 +133,14 @@ def _prefill(url: str, model: str, prompt: list[int]) -> None:
     httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
 
 
+def _keys(model: str, prompt: list[int]) -> list[int]:
+    """The block keys of ``prompt`` on the workers (16-token blocks)."""
+    return block_keys(prompt, 16, root_parent(model))
+
+
 def _pull(a: str, b: str, model: str, prompt: list[int]) -> dict[str, Any]:
     """Have ``b`` pull all the blocks of ``prompt`` (prefilled on ``a``) from ``a``."""
-    from indexer.keys import block_keys, root_parent
-
-    keys = block_keys(prompt, 16, root_parent(model))
+    keys = _keys(model, prompt)
     pull: dict[str, Any] = httpx.post(
         f"{b}/kv/pull", json={"source": a, "keys": keys}, timeout=600
     ).json()
@@ -147,9 +151,7 @@ def _pull(a: str, b: str, model: str, prompt: list[int]) -> dict[str, Any]:
 
 def _on_ssd(url: str, model: str, prompt: list[int]) -> int:
     """How many of ``prompt``'s blocks ``url`` holds on its SSD."""
-    from indexer.keys import block_keys, root_parent
-
-    keys = set(block_keys(prompt, 16, root_parent(model)))
+    keys = set(_keys(model, prompt))
     held = httpx.get(f"{url}/kv/keys", timeout=10).json()["blocks"]
     return len(keys & set(held.get("ssd", [])))
 

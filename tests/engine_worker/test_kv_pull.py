@@ -124,6 +124,23 @@ def test_a_pulled_prefix_is_used_and_the_output_is_the_same_token_for_token(
     assert (again["present"], again["pulled"]) == (5, 0)
 
 
+def pull_whole(pool: ThreadPoolExecutor, dst: str, src: str, prompts: list[list[int]]) -> None:
+    """Have ``dst`` pull each prompt's 5 blocks from ``src`` at once; every pull whole."""
+    pulls = [pool.submit(pull, dst, src, block_keys(p, 16, root_parent("tiny"))) for p in prompts]
+    for f in pulls:
+        r = f.result()
+        assert r.status_code == 200, r.text
+        assert r.json()["pulled"] == 5
+
+
+def decode_pulled(url: str, prompts: list[list[int]], refs: list[str]) -> None:
+    """``url`` answers each pulled prompt as ``refs`` says, from its 4 cached blocks."""
+    for p, ref in zip(prompts, refs, strict=True):
+        pooled = complete(url, p)
+        assert pooled["choices"][0]["text"] == ref
+        assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
 def test_pulls_beside_busy_steps_keep_every_output_exact() -> None:
     # A pull's pool work (reserve, pin, commit) runs while the runner executes a step:
     # pulls into a worker busy with other prompts, from a worker busy too, must neither
@@ -137,19 +154,10 @@ def test_pulls_beside_busy_steps_keep_every_output_exact() -> None:
         fresh = [complete(c, q, max_tokens=12)["choices"][0]["text"] for q in busy]
         with ThreadPoolExecutor(12) as pool:
             loads = [pool.submit(complete, u, q, 12) for q in busy for u in (a, b)]
-            pulls = [
-                pool.submit(pull, b, a, block_keys(p, 16, root_parent("tiny"))) for p in pulled
-            ]
-            for f in pulls:
-                r = f.result()
-                assert r.status_code == 200, r.text
-                assert r.json()["pulled"] == 5
+            pull_whole(pool, b, a, pulled)
             texts = [f.result()["choices"][0]["text"] for f in loads]
         assert texts == [t for t in fresh for _ in (a, b)]
-        for p, ref in zip(pulled, refs, strict=True):
-            pooled = complete(b, p)
-            assert pooled["choices"][0]["text"] == ref
-            assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        decode_pulled(b, pulled, refs)
         assert in_use(a) == in_use(b) == 0
 
 
@@ -214,19 +222,10 @@ def test_pulls_of_lower_tier_copies_while_the_source_churns_its_tiers_stay_exact
         with ThreadPoolExecutor(12) as pool:
             loads = [pool.submit(complete, a, q, 12) for q in busy]
             again = [pool.submit(complete, a, p) for p in pulled]
-            pulls = [
-                pool.submit(pull, b, a, block_keys(p, 16, root_parent("tiny"))) for p in pulled
-            ]
-            for f in pulls:
-                r = f.result()
-                assert r.status_code == 200, r.text
-                assert r.json()["pulled"] == 5
+            pull_whole(pool, b, a, pulled)
             assert [f.result()["choices"][0]["text"] for f in loads] == fresh
             assert [f.result()["choices"][0]["text"] for f in again] == refs
-        for p, ref in zip(pulled, refs, strict=True):
-            pooled = complete(b, p)
-            assert pooled["choices"][0]["text"] == ref
-            assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        decode_pulled(b, pulled, refs)
         for url in (a, b):
             stats = httpx.get(f"{url}/kv/stats", headers=AUTH, timeout=10).json()
             assert set(stats["in_use_by_medium"].values()) == {0}, stats
