@@ -17,10 +17,12 @@ leaves the windows imported so far (each a valid prefix) and raises
 missing. Every pull is timed end to end (from asking the pool what it lacks to
 the blocks cached, :attr:`PullResult.seconds`); the worker's transfer bandwidth,
 which its heartbeat publishes, folds in only the time its blocks were streaming
-(from the transfer's first byte to its last). A source reads its SSD blocks
-before it sends that first byte, and the router prices those reads
-itself, per source and medium (:func:`policies.cost_model.peer_read_seconds`),
-so a pull of a peer's SSD copy must not make every later pull look that slow.
+(from the transfer's first byte to its last), and only for streams of blocks the
+source held in memory: a source reads its SSD blocks as it streams them (over
+the data socket; before the first byte over HTTP), the header says how many
+(``streamed``), and the router prices those reads itself, per source and medium
+(:func:`policies.cost_model.peer_read_seconds`), so a pull of a peer's SSD copy
+must not make every later pull look that slow.
 A ``sim`` worker's pulls take and publish modeled time instead
 (:class:`ModeledTransfer`).
 """
@@ -163,7 +165,7 @@ class KvPuller:
                 invalid (``reason`` says which); windows before it stay imported.
         """
         keys = list(keys)
-        pulled = received = 0
+        pulled = received = timed = 0
         streaming = 0.0
         started = time.perf_counter()
         try:
@@ -185,7 +187,9 @@ class KvPuller:
                 reservation = None
                 pulled += got
                 received += size
-                streaming += streamed
+                if streamed is not None:
+                    timed += size
+                    streaming += streamed
                 if got < len(window):
                     break
         except TransferError as exc:
@@ -204,9 +208,10 @@ class KvPuller:
                     await asyncio.sleep(wait)
                     seconds += wait
                 self.stat.add(size, modeled * (self.modeled.time_scale or 1.0))
-        elif pulled:
-            # The blocks' streaming time, not the source's reads before its first byte.
-            self.stat.add(received, streaming)
+        elif pulled and timed:
+            # The blocks' streaming time, not the source's reads before its first byte
+            # nor a stream its reads paced.
+            self.stat.add(timed, streaming)
         if received:
             self.metrics.transfer_bytes.labels("received").inc(received)
             self.metrics.transfer_blocks.labels("received").inc(pulled)
@@ -264,7 +269,7 @@ class KvPuller:
 
     async def _http_window(
         self, source_url: str, keys: list[int], release: str | None
-    ) -> tuple[int, int, float]:
+    ) -> tuple[int, int, float | None]:
         """Pull one window over HTTP, then import it; returns (blocks imported, bytes,
         seconds from the body's first byte to its last)."""
         header, blocks, received, streamed = await self._http_fetch(
@@ -288,10 +293,11 @@ class KvPuller:
         keys: list[int],
         release: str | None,
         reservation: Reservation | None,
-    ) -> tuple[int, int, float]:
+    ) -> tuple[int, int, float | None]:
         """Pull one window over the data socket into ``reservation`` (reserved now when
         None); returns (blocks imported, bytes received, seconds from the header's arrival
-        to the last block's)."""
+        to the last block's, or None when the source read blocks off its storage as it
+        streamed them: that time is its storage's as much as the network's)."""
         if reservation is None and keys:
             storage = self.storage
             _, reservation = await self._reserving(
@@ -306,7 +312,7 @@ class KvPuller:
             return held.land(header) if held is not None else []
 
         try:
-            _, _, received = await fetch_blocks(
+            header, _, received = await fetch_blocks(
                 httpx.URL(source_url).host, port, self._token, keys, release,
                 self._expected(keys), self._timeout_s, land, self._receivers,
             )  # fmt: skip
@@ -314,7 +320,7 @@ class KvPuller:
             if held is not None:
                 self._give_back(held)
             raise
-        streamed = time.perf_counter() - arrived
+        streamed = None if header.streamed else time.perf_counter() - arrived
         if held is None:
             return 0, received, streamed
         # Shielded: once the blocks are in, a cancelled caller still has them cached.

@@ -11,9 +11,9 @@ One request per connection::
            or b"KVE1" | u32 length | msgpack {"reason", "message"}; then it closes.
 
 The request and the refusal go over the event loop; the transfer itself is
-moved by one blocking thread per end (the server reads the SSD blocks it serves,
-then sends the header and every block from where it is pinned, the KV tensors
-themselves for host memory; the client receives each block into the pool
+moved by one blocking thread per end (the server sends the header, then every
+block from where it is pinned, the KV tensors themselves for host memory, reading
+each SSD block just before it goes; the client receives each block into the pool
 block reserved for it and checks it as it lands), so the bytes are copied only
 by the kernel, as in a raw socket copy, without an event-loop round per
 ``send``/``recv``. The loop keeps the deadline: when it passes, or the task is
@@ -210,13 +210,15 @@ class KvSocketServer:
 
 
 def _send(conn: socket.socket, out: Outgoing, timeout_s: float) -> None:
-    """Read what the transfer still lacks (SSD blocks, unknown checksums), then send its
-    header and blocks (blocking, each call within ``timeout_s``: the thread ends even if
-    nobody shuts the socket down; on a sender thread)."""
-    out.finish()
+    """Send the transfer's header, then each block, reading the SSD blocks one by one as
+    they go (blocking, each call within ``timeout_s``: the thread ends even if nobody
+    shuts the socket down; on a sender thread). The kernel sends what is queued while the
+    next block is read, so reads and the network overlap."""
+    header = out.stream_header()
     conn.settimeout(timeout_s)
-    conn.sendall(encode_transfer(out.header))
-    for data in out.payload:
+    conn.sendall(encode_transfer(header))
+    for i in range(len(header.keys)):
+        data = out.take(i)
         if len(data):
             conn.sendall(data)
 
@@ -264,6 +266,8 @@ async def _in_thread(
         while not done.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([done])
+        if not done.cancelled():
+            done.exception()  # retrieved: the shut-down socket's error is expected
         raise
 
 

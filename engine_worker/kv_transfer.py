@@ -7,10 +7,12 @@ HTTP response body)::
 
 The header (:class:`TransferHeader`) names the model, block size, KV dtype,
 per-block shape and byte size, the blocks' keys (a contiguous run of one
-prefix chain), the parent key of the first, and one xxh3-64 checksum per
-block. Each block is ``block_bytes`` raw bytes, all layers contiguous
-(:mod:`engine_worker.kv_layout`), in key order. Nothing is ever unpickled:
-the header is msgpack decoded into a typed struct, the blocks are bytes.
+prefix chain), the parent key of the first, one xxh3-64 checksum per
+block and, when not 0, how many blocks the source reads off its storage as
+it streams them (``streamed``). Each block is ``block_bytes`` raw bytes, all
+layers contiguous (:mod:`engine_worker.kv_layout`), in key order. Nothing is
+ever unpickled: the header is msgpack decoded into a typed struct, the blocks
+are bytes.
 
 The receiver validates everything before a single block enters its pool
 (:func:`read_transfer`): magic and header size, model, block size, dtype,
@@ -25,8 +27,12 @@ on whatever medium it sits: the scheduler cannot evict, move or overwrite a
 pinned block's bytes until the transfer ends, so a transfer is never torn.
 Blocks in host memory (HBM on a CPU worker, DRAM) are sent from where they
 are; SSD blocks are read by the sender, off the engine thread and outside the
-lock (:meth:`Outgoing.finish`), so a large read never holds up the source's
-steps; only blocks in device memory are copied out in the pool call. The
+lock, so a large read never holds up the source's steps: over the data socket
+one at a time as they are sent, after the header (:meth:`Outgoing.stream_header`,
+:meth:`Outgoing.take`), so that reading and sending overlap and a pull takes
+about the longer of the two, not their sum; over HTTP all before the header
+(:meth:`Outgoing.finish`). Only blocks in device memory are copied out in the
+pool call. The
 checksums come from the pool, which keeps one per cached block
 (:mod:`engine_worker.block_checksum`); only blocks cached without one (device
 memory, SSD restored at start) are hashed, by the sender, and the pool
@@ -109,8 +115,15 @@ class TransferError(Exception):
         self.reason = reason
 
 
-class TransferHeader(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """What precedes the blocks of a transfer (see the module docstring)."""
+class TransferHeader(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """What precedes the blocks of a transfer (see the module docstring).
+
+    ``streamed`` counts the blocks the source reads off its storage after sending this
+    header, as it streams (0, left out of the encoding: every block was in memory).
+    Those reads pace the stream, so a receiver does not take its time for the network's.
+    """
 
     model: str
     block_size: int
@@ -120,6 +133,7 @@ class TransferHeader(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     parent: int | None
     keys: list[int]
     checksums: list[int]
+    streamed: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -180,9 +194,10 @@ class Outgoing:
 
     Every block is pinned in the source's pool until :meth:`close`. Blocks in host
     memory are sent in place; SSD blocks are read, and checksums the pool did not
-    know are computed, by :meth:`finish`, which the sender calls off the engine thread
-    before it encodes the header. Call :meth:`close` once the bytes are sent, on the
-    thread that owns the pool (a worker wraps it).
+    know are computed, off the engine thread by the sender: all before the header
+    (:meth:`finish`), or the unhashed ones before it (:meth:`stream_header`) and the
+    rest one by one as they are sent (:meth:`take`). Call :meth:`close` once the bytes
+    are sent, on the thread that owns the pool (a worker wraps it).
     """
 
     header: TransferHeader
@@ -203,12 +218,39 @@ class Outgoing:
         """Read what is still to read and hash what is unhashed (blocking: storage I/O;
         call it on a sender thread, while the blocks are pinned, i.e. before
         :meth:`close`). Idempotent."""
-        payload, checksums = self.payload, self.header.checksums
-        for i, read in self.reads.items():
-            payload[i] = read()
-        self.reads = {}
+        for i in list(self.reads):
+            self._read(i)
+        self._hash()
+
+    def stream_header(self) -> TransferHeader:
+        """The header to send before the SSD reads are done, for a sender that reads each
+        block as it streams (:meth:`take`): the blocks whose checksum the pool lacks are
+        read and hashed now (a header carries every checksum), the other reads are left,
+        and the header counts them (``streamed``). Blocking, as :meth:`finish`."""
         for i in self.unhashed:
-            checksums[i] = block_checksum(payload[i])
+            self._read(i)
+        self._hash()
+        if not self.reads:
+            return self.header
+        return msgspec.structs.replace(self.header, streamed=len(self.reads))
+
+    def take(self, i: int) -> memoryview | bytes:
+        """Block ``i``'s bytes for the last time, read off storage now if they are still
+        to read (blocking; while the blocks are pinned), and not kept: a sender that
+        streams each block once holds one block it read at a time, not the transfer."""
+        self._read(i)
+        data, self.payload[i] = self.payload[i], b""
+        return data
+
+    def _read(self, i: int) -> None:
+        read = self.reads.pop(i, None)
+        if read is not None:
+            self.payload[i] = read()
+
+    def _hash(self) -> None:
+        checksums = self.header.checksums
+        for i in self.unhashed:
+            checksums[i] = block_checksum(self.payload[i])
         self.hashed += self.unhashed
         self.unhashed = []
 
@@ -233,10 +275,11 @@ def export_pinned(
 
     Runs under the scheduler lock (a pool call) and reads no storage but device
     memory: blocks in host memory are sent from where they are (zero-copy), SSD
-    blocks are left for :meth:`Outgoing.finish` to read, device-memory blocks are
-    copied out now. Checksums are the pool's; a block cached without one is hashed
-    by :meth:`Outgoing.finish`, and :meth:`Outgoing.close` tells the pool. Serves
-    fewer keys than asked (possibly none) when the pool lacks the rest.
+    blocks are left for the sender to read (:meth:`Outgoing.finish`, or
+    :meth:`Outgoing.take` as it streams), device-memory blocks are copied out now.
+    Checksums are the pool's; a block cached without one is hashed by the sender, and
+    :meth:`Outgoing.close` tells the pool. Serves fewer keys than asked (possibly
+    none) when the pool lacks the rest.
     """
     if len(keys) > MAX_TRANSFER_BLOCKS:
         raise TransferError("count", f"{len(keys)} blocks asked, at most {MAX_TRANSFER_BLOCKS}")
@@ -459,6 +502,8 @@ def _check_header(h: TransferHeader, e: Expected) -> None:
         raise TransferError(
             "count", f"{len(h.keys)} keys, {len(h.checksums)} checksums, {len(e.keys)} asked"
         )
+    if not 0 <= h.streamed <= len(h.keys):
+        raise TransferError("count", f"{h.streamed} blocks streamed of {len(h.keys)}")
     if tuple(h.keys) != e.keys[: len(h.keys)]:
         raise TransferError("keys", "the blocks served are not the ones asked for, in order")
 

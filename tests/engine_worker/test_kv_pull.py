@@ -200,6 +200,23 @@ def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Pat
         assert in_use(src) == 0
         stats = httpx.get(f"{src}/kv/stats", headers=AUTH, timeout=10).json()
         assert set(stats["in_use_by_medium"].values()) == {0}
+        # The source read its SSD blocks as it streamed them, so the stream's pace was
+        # its SSD's as much as the network's: not what dst publishes as its transfer
+        # bandwidth (the router prices a peer's reads apart). A pull of blocks a source
+        # holds in memory sets it (0: none measured; the router takes its default).
+        assert transfer_bandwidth(dst) == 0
+        fresh = list(range(4400, 4480))
+        complete(src, fresh)
+        r = pull(dst, src, keys=block_keys(fresh, 16, root_parent("tiny")))
+        assert r.json()["pulled"] == 5
+        assert transfer_bandwidth(dst) > 0
+
+
+def transfer_bandwidth(url: str) -> float:
+    value: float = httpx.get(f"{url}/worker/view", headers=AUTH, timeout=10).json()[
+        "transfer_bandwidth"
+    ]
+    return value
 
 
 def test_pulls_of_lower_tier_copies_while_the_source_churns_its_tiers_stay_exact(
@@ -334,11 +351,11 @@ def test_a_tampered_transfer_is_refused_and_leaves_nothing_behind(
 
 
 def test_the_published_bandwidth_leaves_out_the_sources_time_before_its_first_byte() -> None:
-    # A source reads its SSD blocks before it sends the header, and the
-    # router prices those reads per source (policies.cost_model.peer_read_seconds). Folded
-    # into the bandwidth, one pull of a peer's SSD copy made every later pull, from any
-    # peer's HBM, look as slow as that SSD. The relay holds the source's answer back for
-    # a second, as a slow read would.
+    # A source may take its time before the header (SSD blocks whose checksum it lacks
+    # are read and hashed first), and the router prices its reads per source
+    # (policies.cost_model.peer_read_seconds). Folded into the bandwidth, one pull of a
+    # peer's SSD copy made every later pull, from any peer's HBM, look as slow as that
+    # SSD. The relay holds the source's answer back for a second, as a slow read would.
     delay = 1.0
     prompt = list(range(2000, 2080))  # 5 full blocks
 

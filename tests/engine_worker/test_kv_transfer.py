@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -23,6 +25,7 @@ from engine_worker.kv_transfer import (
     expected_for,
     export_blocks,
     export_pinned,
+    fresh_views,
     import_blocks,
     read_transfer,
     reserve_import,
@@ -61,6 +64,35 @@ def fill_one_by_one(pool: BlockPool, storage: TierStorage) -> None:
     """Cache ``KEYS`` one block per request: each pushes the ones before down the tiers."""
     for i in range(len(KEYS)):
         fill(pool, storage, KEYS[i : i + 1], seed=i, parent=KEYS[i - 1] if i else ROOT)
+
+
+@contextlib.contextmanager
+def on_every_tier(tmp_path: Path) -> Iterator[tuple[TierStorage, BlockPool]]:
+    """A pool over HBM 5, DRAM 2 and SSD 8 whose ``KEYS`` sit 2 on each tier (SSD first)."""
+    capacity = TierCapacity(hbm=5, dram=2, ssd=8)
+    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(capacity, storage)
+        fill_one_by_one(pool, storage)
+        fill(pool, storage, block_keys(list(range(400, 412)), 4, ROOT), seed=7)
+        media = [b.medium for b in pool.match_prefix(KEYS)]
+        assert media == [Medium.SSD] * 2 + [Medium.DRAM] * 2 + [Medium.HBM] * 2
+        yield storage, pool
+
+
+SMALL_HBM = TierCapacity(hbm=2, dram=0, ssd=8)
+
+
+def cached_before_a_restart(tmp_path: Path) -> tuple[list[bytes], list[int | None]]:
+    """Cache ``KEYS`` one by one over :data:`SMALL_HBM` (the leading 4 end on the SSD in
+    ``tmp_path``), then close: reopened, the SSD journal knows their keys, not their
+    checksums. Returns each block's bytes and checksum before the restart."""
+    with TierStorage(LAYOUT, SMALL_HBM, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(SMALL_HBM, storage)
+        fill_one_by_one(pool, storage)
+        blocks = pool.match_prefix(KEYS)
+        return [storage.read_bytes(b.medium, b.block_id) for b in blocks], [
+            b.checksum for b in blocks
+        ]
 
 
 async def chunks_of(data: bytes, size: int = 37) -> AsyncIterator[bytes]:
@@ -151,6 +183,8 @@ def _mutations() -> list[tuple[str, Callable[[TransferHeader, list[bytes]], byte
         ("dtype", header_with(dtype="float16")),
         ("shape", header_with(block_shape=[3, 2, 4, 2, 8])),
         ("count", header_with(checksums=[0])),
+        ("count", header_with(streamed=len(KEYS) + 1)),
+        ("count", header_with(streamed=-1)),
         ("keys", header_with(keys=KEYS[1:] + KEYS[:1])),
         ("truncated", lambda h, b: wire(h, b)[:-3]),
         ("trailing", lambda h, b: wire(h, b) + b"x"),
@@ -257,14 +291,8 @@ def test_ssd_blocks_are_read_by_the_sender_and_stay_pinned_until_the_transfer_cl
     # The pool call that takes a transfer reads nothing off the SSD (a large read there
     # held up the source's next step); the sender reads it afterwards, on its own thread,
     # while the pool goes on. Pinned, no demotion can reuse those slots meanwhile.
-    capacity = TierCapacity(hbm=5, dram=2, ssd=8)
-    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
-        pool = BlockPool(capacity, storage)
-        fill_one_by_one(pool, storage)
-        fill(pool, storage, block_keys(list(range(400, 412)), 4, ROOT), seed=7)
+    with on_every_tier(tmp_path) as (storage, pool):
         blocks = pool.match_prefix(KEYS)
-        media = [b.medium for b in blocks]
-        assert media == [Medium.SSD] * 2 + [Medium.DRAM] * 2 + [Medium.HBM] * 2
         truth = [storage.read_bytes(b.medium, b.block_id) for b in blocks]
         out = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
         assert sorted(out.reads) == [0, 1]  # left for the sender
@@ -284,6 +312,112 @@ def test_ssd_blocks_are_read_by_the_sender_and_stay_pinned_until_the_transfer_cl
         # Every pin is gone: each tier's slots are free or cached again.
         assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
         pool.verify()
+
+
+async def test_the_data_socket_sends_the_header_first_and_reads_ssd_blocks_as_they_go(
+    tmp_path: Path,
+) -> None:
+    # Read in full before the header, a peer's SSD copy took the reads plus the network to
+    # pull, where the router prices the longer of the two (cost_model.pull_seconds). The
+    # sender now sends the header first, counting the reads to come (``streamed``), and
+    # reads each block just before it goes; a block whose checksum the pool lacks is read
+    # before the header, which carries every checksum.
+    truth, _ = cached_before_a_restart(tmp_path)
+    ssd = 4  # after a restart the SSD holds the leading 4 blocks, their checksums unknown
+    header_in = threading.Event()
+    # (block, whether the header had arrived, the blocks read before it still held)
+    reads: list[tuple[int, bool, list[int]]] = []
+    wait = False
+    with TierStorage(LAYOUT, SMALL_HBM, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(SMALL_HBM, storage)
+        assert [b.medium for b in pool.match_prefix(KEYS)] == [Medium.SSD] * ssd
+
+        async def export(keys: Sequence[int], release: str | None) -> Outgoing:
+            out = export_pinned(pool, storage, "m", LAYOUT.block_size, keys)
+            for i, read in list(out.reads.items()):
+
+                def watched(
+                    i: int = i, read: Callable[[], bytes] = read, out: Outgoing = out
+                ) -> bytes:
+                    # Did the header get there first? (Given the time to, once it can.)
+                    first = header_in.wait(5.0) if wait else header_in.is_set()
+                    reads.append((i, first, [j for j in range(i) if len(out.payload[j])]))
+                    return read()
+
+                out.reads[i] = watched
+            return out
+
+        async def land(h: TransferHeader) -> Sequence[memoryview]:
+            header_in.set()
+            return fresh_views(h)
+
+        server = KvSocketServer(export, None, "127.0.0.1")
+        await server.start()
+        expected = expected_for("m", LAYOUT.block_size, LAYOUT, KEYS[:ssd])
+        try:
+            # Checksums unknown: all read, and hashed, before the header.
+            header, got, _ = await fetch_blocks(
+                "127.0.0.1", server.port, None, KEYS[:ssd], None, expected, 10.0
+            )
+            assert header.streamed == 0
+            assert [bytes(g) for g in got] == truth[:ssd]
+            assert reads == [(i, False, list(range(i))) for i in range(ssd)]
+            # Learned when that transfer closed: now every read waits for its turn.
+            assert [b.checksum for b in pool.match_prefix(KEYS)] == header.checksums
+            reads.clear()
+            wait = True
+            header, got, _ = await fetch_blocks(
+                "127.0.0.1", server.port, None, KEYS[:ssd], None, expected, 10.0, land
+            )
+            assert header.streamed == ssd
+            # One block read at a time: each is let go once sent.
+            assert reads == [(i, True, []) for i in range(ssd)]
+            assert [bytes(g) for g in got] == truth[:ssd]
+            assert [checksum(t) for t in truth[:ssd]] == header.checksums
+        finally:
+            await server.stop()
+        assert pool.num_free(Medium.SSD) == 8  # no pin left: every slot is evictable again
+        pool.verify()
+
+
+async def test_a_read_that_fails_mid_stream_cuts_the_transfer_and_lets_every_pin_go(
+    tmp_path: Path,
+) -> None:
+    # The header is out before the SSD reads: a read that fails after it can only cut the
+    # stream short. The receiver refuses it (and recomputes); the source unpins all.
+    with on_every_tier(tmp_path) as (storage, pool):
+
+        def broken() -> bytes:
+            raise OSError(5, "Input/output error")
+
+        async def export(keys: Sequence[int], release: str | None) -> Outgoing:
+            out = export_pinned(pool, storage, "m", LAYOUT.block_size, keys)
+            out.reads[1] = broken
+            return out
+
+        server = KvSocketServer(export, None, "127.0.0.1")
+        await server.start()
+        try:
+            with pytest.raises(TransferError) as caught:
+                await fetch_blocks("127.0.0.1", server.port, None, KEYS, None, EXPECTED, 10.0)
+            assert caught.value.reason == "truncated"
+        finally:
+            await server.stop()
+        assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
+        assert len(pool.match_prefix(KEYS)) == len(KEYS)  # nothing lost at the source
+        pool.verify()
+
+
+def test_a_header_of_blocks_all_in_memory_encodes_as_before_streamed_existed() -> None:
+    # ``streamed`` is left out when 0, so a receiver built before it still reads every
+    # transfer of in-memory blocks (only a streamed one is refused there, and recomputed).
+    header, _ = source()
+    fields = msgspec.msgpack.decode(encode_transfer(header)[8:])
+    assert sorted(fields) == sorted(f for f in TransferHeader.__struct_fields__ if f != "streamed")
+    streamed = msgspec.msgpack.decode(
+        encode_transfer(msgspec.structs.replace(header, streamed=2))[8:]
+    )
+    assert streamed["streamed"] == 2
 
 
 async def test_a_refused_reservation_gives_its_blocks_back_uncached() -> None:
@@ -387,14 +521,10 @@ async def test_blocks_go_with_the_pools_checksums_so_bytes_changed_at_rest_are_r
 def test_a_block_cached_without_a_checksum_is_hashed_once_when_first_sent(
     tmp_path: Path,
 ) -> None:
-    capacity = TierCapacity(hbm=2, dram=0, ssd=8)
-    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
-        pool = BlockPool(capacity, storage)
-        fill_one_by_one(pool, storage)
-        sums = [b.checksum for b in pool.match_prefix(KEYS)]
+    _, sums = cached_before_a_restart(tmp_path)
     # After a restart, the SSD journal knows keys, not checksums.
-    with TierStorage(LAYOUT, capacity, ssd_path=tmp_path / "ssd") as storage:
-        pool = BlockPool(capacity, storage)
+    with TierStorage(LAYOUT, SMALL_HBM, ssd_path=tmp_path / "ssd") as storage:
+        pool = BlockPool(SMALL_HBM, storage)
         restored = pool.match_prefix(KEYS)
         ssd = [i for i, b in enumerate(restored) if b.medium is Medium.SSD]
         assert ssd
