@@ -26,13 +26,12 @@ lock (:func:`export_pinned`, :meth:`~engine_worker.engine.EngineLoop.pool_call`)
 on whatever medium it sits: the scheduler cannot evict, move or overwrite a
 pinned block's bytes until the transfer ends, so a transfer is never torn.
 Blocks in host memory (HBM on a CPU worker, DRAM) are sent from where they
-are; SSD blocks are read by the sender, off the engine thread and outside the
-lock, so a large read never holds up the source's steps: over the data socket
-one at a time as they are sent, after the header (:meth:`Outgoing.stream_header`,
-:meth:`Outgoing.take`), so that reading and sending overlap and a pull takes
-about the longer of the two, not their sum; over HTTP all before the header
-(:meth:`Outgoing.finish`). Only blocks in device memory are copied out in the
-pool call. The
+are; SSD blocks, and blocks in device memory (a GPU's HBM), are read by the
+sender, off the engine thread and outside the lock, so a large read never holds
+up the source's steps: over the data socket one at a time as they are sent,
+after the header (:meth:`Outgoing.stream_header`, :meth:`Outgoing.take`), so that
+reading and sending overlap and a pull takes about the longer of the two, not
+their sum; over HTTP all before the header (:meth:`Outgoing.finish`). The
 checksums come from the pool, which keeps one per cached block
 (:mod:`engine_worker.block_checksum`); only blocks cached without one (device
 memory, SSD restored at start) are hashed, by the sender, and the pool
@@ -193,8 +192,8 @@ class Outgoing:
     """One transfer ready to send: the header and one payload per block.
 
     Every block is pinned in the source's pool until :meth:`close`. Blocks in host
-    memory are sent in place; SSD blocks are read, and checksums the pool did not
-    know are computed, off the engine thread by the sender: all before the header
+    memory are sent in place; SSD and device-memory blocks are read, and checksums the
+    pool did not know are computed, off the engine thread by the sender: all before the header
     (:meth:`finish`), or the unhashed ones before it (:meth:`stream_header`) and the
     rest one by one as they are sent (:meth:`take`). Call :meth:`close` once the bytes
     are sent, on the thread that owns the pool (a worker wraps it).
@@ -208,6 +207,8 @@ class Outgoing:
     unhashed: list[int] = field(default_factory=list)
     #: Blocks :meth:`finish` hashed (their checksums are news for the pool).
     hashed: list[int] = field(default_factory=list)
+    #: Blocks read off the SSD (of ``reads``; the others are in device memory).
+    from_ssd: set[int] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -226,13 +227,15 @@ class Outgoing:
         """The header to send before the SSD reads are done, for a sender that reads each
         block as it streams (:meth:`take`): the blocks whose checksum the pool lacks are
         read and hashed now (a header carries every checksum), the other reads are left,
-        and the header counts them (``streamed``). Blocking, as :meth:`finish`."""
+        and the header counts those off the SSD (``streamed``: a device-memory copy
+        goes at the pace of host memory). Blocking, as :meth:`finish`."""
         for i in self.unhashed:
             self._read(i)
         self._hash()
-        if not self.reads:
+        streamed = len(self.from_ssd.intersection(self.reads))
+        if not streamed:
             return self.header
-        return msgspec.structs.replace(self.header, streamed=len(self.reads))
+        return msgspec.structs.replace(self.header, streamed=streamed)
 
     def take(self, i: int) -> memoryview | bytes:
         """Block ``i``'s bytes for the last time, read off storage now if they are still
@@ -273,13 +276,12 @@ def export_pinned(
 ) -> Outgoing:
     """The longest cached run of ``keys`` (from the first), pinned, ready to send.
 
-    Runs under the scheduler lock (a pool call) and reads no storage but device
-    memory: blocks in host memory are sent from where they are (zero-copy), SSD
-    blocks are left for the sender to read (:meth:`Outgoing.finish`, or
-    :meth:`Outgoing.take` as it streams), device-memory blocks are copied out now.
-    Checksums are the pool's; a block cached without one is hashed by the sender, and
-    :meth:`Outgoing.close` tells the pool. Serves fewer keys than asked (possibly
-    none) when the pool lacks the rest.
+    Runs under the scheduler lock (a pool call) and reads no block: blocks in host
+    memory are sent from where they are (zero-copy), SSD and device-memory blocks are
+    left for the sender to read (:meth:`Outgoing.finish`, or :meth:`Outgoing.take` as
+    it streams). Checksums are the pool's; a block cached without one is hashed by the
+    sender, and :meth:`Outgoing.close` tells the pool. Serves fewer keys than asked
+    (possibly none) when the pool lacks the rest.
     """
     if len(keys) > MAX_TRANSFER_BLOCKS:
         raise TransferError("count", f"{len(keys)} blocks asked, at most {MAX_TRANSFER_BLOCKS}")
@@ -288,19 +290,16 @@ def export_pinned(
     blocks = pool.match_prefix(keys)
     payload: list[memoryview | bytes] = []
     reads: dict[int, Callable[[], bytes]] = {}
+    from_ssd: set[int] = set()
     unhashed: list[int] = []
     checksums: list[int] = []
     for i, block in enumerate(blocks):
-        data: memoryview | bytes | None = None
-        if storage is None:
-            data = b""
-        elif block.medium is Medium.SSD:
-            reads[i] = functools.partial(storage.read_bytes, Medium.SSD, block.block_id)
-            data = b""
-        else:
-            data = storage.block_view(block.medium, block.block_id)
-            if data is None:  # device memory
-                data = storage.read_bytes(block.medium, block.block_id)
+        view = None if storage is None else storage.block_view(block.medium, block.block_id)
+        if storage is not None and view is None:  # on the SSD or in device memory
+            reads[i] = functools.partial(storage.read_bytes, block.medium, block.block_id)
+            if block.medium is Medium.SSD:
+                from_ssd.add(i)
+        data = b"" if view is None else view
         payload.append(data)
         value = block.checksum
         if value is None:
@@ -322,7 +321,7 @@ def export_pinned(
         keys=[b.key for b in blocks if b.key is not None],
         checksums=checksums,
     )
-    out = Outgoing(header, payload, _nothing, reads, unhashed)
+    out = Outgoing(header, payload, _nothing, reads, unhashed, from_ssd=from_ssd)
 
     def release() -> None:
         for i in out.hashed:  # still cached under its key: the pool keeps what was learned

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from engine_worker.block_pool import BlockPool, TierCapacity
+from engine_worker.block_pool import BlockPool, PoolExhaustedError, TierCapacity
 from engine_worker.kv_layout import KVLayout
 from engine_worker.kv_socket import KvSocketServer, fetch_blocks
 from engine_worker.kv_transfer import (
@@ -312,6 +312,52 @@ def test_ssd_blocks_are_read_by_the_sender_and_stay_pinned_until_the_transfer_cl
         # Every pin is gone: each tier's slots are free or cached again.
         assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
         pool.verify()
+
+
+class DeviceHBM(TierStorage):
+    """A source whose HBM is not host memory, as on a GPU: no view of its bytes in place
+    (:meth:`read_bytes` copies a block out, as it does from a CUDA tensor)."""
+
+    def block_view(self, medium: Medium, block_id: int) -> memoryview | None:
+        return None if medium is Medium.HBM else super().block_view(medium, block_id)
+
+
+def test_device_memory_blocks_are_copied_by_the_sender_not_in_the_pool_call() -> None:
+    # A GPU's HBM blocks were copied to host memory inside the pool call, under the
+    # scheduler lock: a PD hand-off of a long prompt held the prefill worker's next step
+    # for the whole copy. Pinned, they cannot change until the sender has copied them.
+    capacity = TierCapacity(hbm=8, dram=0)
+    storage = DeviceHBM(LAYOUT, capacity)
+    pool = BlockPool(capacity, storage)
+    fill(pool, storage, KEYS)
+    blocks = pool.match_prefix(KEYS)
+    assert [b.checksum for b in blocks] == [None] * len(KEYS)  # device memory: unhashed
+    truth = [storage.read_bytes(Medium.HBM, b.block_id) for b in blocks]
+    out = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
+    assert sorted(out.reads) == list(range(len(KEYS)))  # nothing copied in the pool call
+    # The engine goes on: it takes the 2 other blocks and writes them; none of the run.
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(3)
+    taken = pool.allocate(2)
+    for b in taken:
+        storage.write_block(
+            Medium.HBM, b.block_id, torch.ones(LAYOUT.block_shape).to(storage.dtype)
+        )
+    pool.free(taken)
+    header = out.stream_header()  # copies and hashes them: the header needs the sums
+    assert header.streamed == 0  # a copy out of device memory is not an SSD read
+    assert header.checksums == [checksum(t) for t in truth]
+    assert [bytes(out.take(i)) for i in range(len(KEYS))] == truth
+    out.close()
+    assert [b.checksum for b in pool.match_prefix(KEYS)] == header.checksums  # learned
+    assert pool.num_free(Medium.HBM) == 8
+    # Known now: the next transfer copies each block as it is sent, after the header.
+    again = export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS)
+    assert (again.unhashed, sorted(again.reads)) == ([], list(range(len(KEYS))))
+    assert again.stream_header().streamed == 0
+    assert [bytes(again.take(i)) for i in range(len(KEYS))] == truth
+    again.close()
+    pool.verify()
 
 
 async def test_the_data_socket_sends_the_header_first_and_reads_ssd_blocks_as_they_go(
