@@ -24,11 +24,15 @@ prompt is pushed down to A's SSD before B pulls it, while A streams a decode of
 its own: the table then gives A's decode step gaps during the pull against its
 median gap, i.e. how long serving a peer's pull of SSD blocks holds up the
 source's own steps (a source used to read those blocks inside its pool call,
-under the scheduler lock).
+under the scheduler lock). ``--cold`` also drops A's SSD file from the page
+cache before each pull, so the source's reads go to the disk: a pull then
+takes about the longer of the reads and the network if the source overlaps
+them, their sum if it reads everything first.
 
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 1024 --busy-tokens 6144
     python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048 --from-ssd
+    python -m kvrouter.tools.transfer_bench --rounds 5 --prompt-tokens 2048 --from-ssd --cold
 """
 
 from __future__ import annotations
@@ -156,6 +160,17 @@ def _on_ssd(url: str, model: str, prompt: list[int]) -> int:
     return len(keys & set(held.get("ssd", [])))
 
 
+def _drop_cached(path: Path) -> None:
+    """Write ``path``'s dirty pages out and drop the file from the page cache, so that
+    the next reads of it go to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _decode_times(url: str, model: str, prompt: list[int], tokens: int) -> list[float]:
     """Stream a greedy decode of ``tokens`` tokens; the arrival time of each."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
@@ -213,6 +228,9 @@ def main(
     from_ssd: Annotated[
         bool, typer.Option(help="Pull each prompt off A's SSD while A decodes")
     ] = False,
+    cold: Annotated[
+        bool, typer.Option(help="With --from-ssd: drop A's SSD file from the page cache first")
+    ] = False,
 ) -> None:
     """Measure and print the transfer / raw loopback throughput ratio."""
     console = Console()
@@ -245,6 +263,8 @@ def main(
                     for _ in range(2):
                         _prefill(a, model, [rng.randrange(VOCAB) for _ in range(prompt_tokens)])
                     on_ssd = _on_ssd(a, model, prompt)
+                    if cold:
+                        _drop_cached(Path(tmp) / "a-ssd" / "slots.bin")
                     pull, stall, median_gap = _pull_beside_decode(a, b, model, prompt, rng)
                     stalls.append((on_ssd, pull["seconds"], stall, median_gap))
                 else:
