@@ -28,10 +28,12 @@ pinned block's bytes until the transfer ends, so a transfer is never torn.
 Blocks in host memory (HBM on a CPU worker, DRAM) are sent from where they
 are; SSD blocks, and blocks in device memory (a GPU's HBM), are read by the
 sender, off the engine thread and outside the lock, so a large read never holds
-up the source's steps: over the data socket one at a time as they are sent,
-after the header (:meth:`Outgoing.stream_header`, :meth:`Outgoing.take`), so that
-reading and sending overlap and a pull takes about the longer of the two, not
-their sum; over HTTP all before the header (:meth:`Outgoing.finish`). The
+up the source's steps (a device copy still takes its turn on the GPU's default
+stream, between the engine's kernels): over the data socket one at a time as
+they are sent, after the header (:meth:`Outgoing.stream_header`,
+:meth:`Outgoing.take`), so that reading and sending overlap and a pull takes
+about the longer of the two, not their sum; over HTTP all before the header
+(:meth:`Outgoing.finish`). The
 checksums come from the pool, which keeps one per cached block
 (:mod:`engine_worker.block_checksum`); only blocks cached without one (device
 memory, SSD restored at start) are hashed, by the sender, and the pool
