@@ -18,9 +18,8 @@ missing. Every pull is timed end to end (from asking the pool what it lacks to
 the blocks cached, :attr:`PullResult.seconds`); the worker's transfer bandwidth,
 which its heartbeat publishes, folds in only the time its blocks were streaming
 (from the transfer's first byte to its last), and only for streams of blocks the
-source held in memory: a source reads its SSD blocks as it streams them (over
-the data socket; before the first byte over HTTP), the header says how many
-(``streamed``), and the router prices those reads itself, per source and medium
+source held in memory: a source reads its SSD blocks as it streams them, the
+header says how many (``streamed``), and the router prices those reads itself, per source and medium
 (:func:`policies.cost_model.peer_read_seconds`), so a pull of a peer's SSD copy
 must not make every later pull look that slow.
 A ``sim`` worker's pulls take and publish modeled time instead
@@ -271,10 +270,12 @@ class KvPuller:
         self, source_url: str, keys: list[int], release: str | None
     ) -> tuple[int, int, float | None]:
         """Pull one window over HTTP, then import it; returns (blocks imported, bytes,
-        seconds from the body's first byte to its last)."""
-        header, blocks, received, streamed = await self._http_fetch(
+        seconds from the body's first byte to its last, or None when the source read
+        blocks off its storage as it streamed them)."""
+        header, blocks, received, seconds = await self._http_fetch(
             source_url, keys, release, self._expected(keys)
         )
+        streamed = None if header.streamed else seconds
         if not header.keys:
             return 0, received, streamed
         storage = self.storage

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import socket
@@ -55,7 +56,7 @@ from engine_worker.kv_transfer import (
 )
 from indexer.tasks import cancel_and_wait
 
-__all__ = ["TRANSFER_THREADS", "KvSocketServer", "fetch_blocks"]
+__all__ = ["TRANSFER_THREADS", "KvSocketServer", "fetch_blocks", "in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ class KvSocketServer:
             out = await self._export(request.keys, request.release)
             try:
                 limit = self._send_timeout_s
-                await _in_thread(conn, lambda: _send(conn, out, limit), self._senders, limit)
+                send = functools.partial(_send, conn, out, limit)
+                await in_thread(send, self._senders, limit, _shut(conn))
             finally:
                 out.close()
         except (TimeoutError, OSError) as exc:
@@ -244,31 +246,41 @@ def _receive(
         raise TransferError("trailing", "bytes after the last block")
 
 
-async def _in_thread(
-    sock: socket.socket,
+async def in_thread(
     fn: Callable[[], _T],
-    executor: ThreadPoolExecutor | None,
+    executor: ThreadPoolExecutor | None = None,
     timeout_s: float | None = None,
+    abort: Callable[[], None] | None = None,
 ) -> _T:
-    """Run ``fn``, blocking I/O on ``sock``, on ``executor``; within ``timeout_s``.
+    """Run ``fn``, blocking I/O, on ``executor`` (the loop's default: None); within
+    ``timeout_s``.
 
-    On a timeout or a cancellation the socket is shut down (the thread's blocking call
-    returns) and the thread is waited for before the error propagates: the caller may
-    release the memory the thread reads or writes as soon as this returns.
+    On a timeout or a cancellation ``abort`` is called (e.g. a socket shut down, which
+    ends the thread's blocking call) and the thread is waited for before the error
+    propagates: the caller may release the memory the thread reads or writes as soon as
+    this returns.
     """
     done = asyncio.get_running_loop().run_in_executor(executor, fn)
     try:
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(done)
     except BaseException:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+        if abort is not None:
+            abort()
         while not done.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([done])
         if not done.cancelled():
-            done.exception()  # retrieved: the shut-down socket's error is expected
+            done.exception()  # retrieved: an error after an abort is expected
         raise
+
+
+def _shut(sock: socket.socket) -> Callable[[], None]:
+    def shut() -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    return shut
 
 
 async def _linger(conn: socket.socket, limit: int = 1 << 20, timeout_s: float = 1.0) -> None:
@@ -337,7 +349,8 @@ async def fetch_blocks(
             reader.push_back(head)
             header = await read_header(reader, expected)
             views = await land(header) if land is not None else fresh_views(header)
-            await _in_thread(sock, lambda: _receive(sock, header, views, timeout_s), executor)
+            receive = functools.partial(_receive, sock, header, views, timeout_s)
+            await in_thread(receive, executor, abort=_shut(sock))
         return header, views, _FRAME.size + length + header.block_bytes * len(header.keys)
     except (OSError, TimeoutError) as exc:
         raise TransferError("http", f"{host}:{port}: {exc!r}") from exc

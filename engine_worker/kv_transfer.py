@@ -29,11 +29,11 @@ Blocks in host memory (HBM on a CPU worker, DRAM) are sent from where they
 are; SSD blocks, and blocks in device memory (a GPU's HBM), are read by the
 sender, off the engine thread and outside the lock, so a large read never holds
 up the source's steps (a device copy still takes its turn on the GPU's default
-stream, between the engine's kernels): over the data socket one at a time as
-they are sent, after the header (:meth:`Outgoing.stream_header`,
-:meth:`Outgoing.take`), so that reading and sending overlap and a pull takes
-about the longer of the two, not their sum; over HTTP all before the header
-(:meth:`Outgoing.finish`). The
+stream, between the engine's kernels): one at a time as they are sent, after
+the header (:meth:`Outgoing.stream_header`, :meth:`Outgoing.take`; over the data
+socket or in an HTTP body), so that reading and sending overlap and a pull takes
+about the longer of the two, not their sum, and a sender holds one block it read
+at a time. The
 checksums come from the pool, which keeps one per cached block
 (:mod:`engine_worker.block_checksum`); only blocks cached without one (device
 memory, SSD restored at start) are hashed, by the sender, and the pool
@@ -205,7 +205,7 @@ class Outgoing:
     payload: list[memoryview | bytes]
     on_close: Callable[[], None]
     #: Blocks still to read (index -> reader), and blocks whose checksum is unknown.
-    reads: dict[int, Callable[[], bytes]] = field(default_factory=dict)
+    reads: dict[int, Callable[[], memoryview | bytes]] = field(default_factory=dict)
     unhashed: list[int] = field(default_factory=list)
     #: Blocks :meth:`finish` hashed (their checksums are news for the pool).
     hashed: list[int] = field(default_factory=list)
@@ -291,14 +291,14 @@ def export_pinned(
     dtype, shape, size = _geometry(layout, block_size)
     blocks = pool.match_prefix(keys)
     payload: list[memoryview | bytes] = []
-    reads: dict[int, Callable[[], bytes]] = {}
+    reads: dict[int, Callable[[], memoryview | bytes]] = {}
     from_ssd: set[int] = set()
     unhashed: list[int] = []
     checksums: list[int] = []
     for i, block in enumerate(blocks):
         view = None if storage is None else storage.block_view(block.medium, block.block_id)
         if storage is not None and view is None:  # on the SSD or in device memory
-            reads[i] = functools.partial(storage.read_bytes, block.medium, block.block_id)
+            reads[i] = functools.partial(storage.read_payload, block.medium, block.block_id)
             if block.medium is Medium.SSD:
                 from_ssd.add(i)
         data = b"" if view is None else view

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_worker.http_errors import error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
-from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError, encode_transfer
+from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
 from engine_worker.serving import (
@@ -226,14 +226,8 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     @app.post("/kv/blocks")
     async def kv_blocks(body: BlocksBody, worker: WorkerDep) -> Response:
         """Serve the longest cached run of ``keys`` in the binary transfer format."""
-        header, blocks = await worker.export_blocks(body.keys, body.release)
-
-        async def stream() -> AsyncIterator[bytes]:
-            yield encode_transfer(header)
-            for block in blocks:
-                yield block
-
-        return StreamingResponse(stream(), media_type="application/octet-stream")
+        chunks = await worker.export_stream(body.keys, body.release)
+        return StreamingResponse(chunks, media_type="application/octet-stream")
 
     @app.get("/kv/endpoint")
     async def kv_endpoint(worker: WorkerDep) -> dict[str, Any]:

@@ -182,21 +182,29 @@ class TierStorage:
             self._tensor(medium)[block_id].copy_(block)
 
     def read_bytes(self, medium: Medium, block_id: int) -> bytes:
-        """One block's raw bytes (a KV transfer's payload), in one copy for CPU tensors.
+        """One block's raw bytes, copied into an immutable ``bytes``, in one copy for
+        CPU tensors.
 
         ``torch`` copies of sub-megabyte tensors go through its parallel copy path, which
         costs milliseconds per block on a busy machine; a NumPy view of the same memory
         copies at memory speed.
         """
+        return bytes(self.read_payload(medium, block_id))
+
+    def read_payload(self, medium: Medium, block_id: int) -> memoryview:
+        """One block's raw bytes as a KV transfer sends them: read off the SSD, or copied
+        out of device memory, into a buffer of their own; a view of where they are in
+        host memory (:meth:`block_view`). One copy fewer than :meth:`read_bytes` for the
+        first two."""
         self._check(medium, block_id)
         if medium is Medium.SSD:
-            out = bytearray(self.layout.block_bytes)
-            self._ssd_tier().read_into(block_id, memoryview(out))
-            return bytes(out)
+            out = memoryview(bytearray(self.layout.block_bytes))
+            self._ssd_tier().read_into(block_id, out)
+            return out
         view = self.block_view(medium, block_id)
         if view is not None:
-            return bytes(view)
-        return bytes(_as_bytes(self._tensor(medium)[block_id].to("cpu")))
+            return view
+        return _as_bytes(self._tensor(medium)[block_id].to("cpu"))
 
     def block_view(self, medium: Medium, block_id: int) -> memoryview | None:
         """The bytes of one block in place (zero-copy, writable) when it lives in host

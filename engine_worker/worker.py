@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,8 +23,8 @@ from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
 from engine_worker.kv_pull import KvPuller, ModeledTransfer
-from engine_worker.kv_socket import KvSocketServer
-from engine_worker.kv_transfer import Outgoing, TransferHeader, export_pinned
+from engine_worker.kv_socket import KvSocketServer, in_thread
+from engine_worker.kv_transfer import Outgoing, encode_transfer, export_pinned
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
 from engine_worker.pd import Leases
@@ -354,29 +355,31 @@ class Worker:
 
     # -- KV transfer ----------------------------------------------------------------------------
 
-    async def export_blocks(
+    async def export_stream(
         self, keys: Sequence[int], release: str | None = None
-    ) -> tuple[TransferHeader, list[bytes]]:
-        """The longest cached run of ``keys``, pinned in one pool call (the lease
-        ``release``, if any, is released in the same call), then read and copied out on
-        a thread."""
+    ) -> AsyncIterator[memoryview | bytes]:
+        """The transfer of the longest cached run of ``keys`` as the chunks of an HTTP
+        body: pinned in one pool call (the lease ``release``, if any, released in the
+        same call), then the header and each block, those on the SSD or in device memory
+        read on a thread just before they go (:meth:`Outgoing.stream_header`,
+        :meth:`Outgoing.take`), so a body holds one block it read at a time, not the
+        run. The pins go when the body ends, however it ends, once no read is running."""
         out = await self.export_pinned(keys, release)
 
-        def copy() -> list[bytes]:
-            out.finish()
-            return [bytes(p) for p in out.payload]
+        async def body() -> AsyncIterator[memoryview | bytes]:
+            try:
+                header = await in_thread(out.stream_header)
+                yield encode_transfer(header)
+                for i in range(len(header.keys)):
+                    yield (
+                        await in_thread(functools.partial(out.take, i))
+                        if i in out.reads
+                        else out.take(i)
+                    )
+            finally:
+                out.close()
 
-        def done(task: asyncio.Future[list[bytes]]) -> None:
-            if not task.cancelled():
-                task.exception()  # retrieved: a caller that left has nobody to raise it to
-            out.close()
-
-        copying = asyncio.ensure_future(asyncio.to_thread(copy))
-        try:
-            return out.header, await asyncio.shield(copying)
-        finally:
-            # The pins go once the thread is done with the blocks, even if we are not.
-            copying.add_done_callback(done)
+        return body()
 
     async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
         """The longest cached run of ``keys``, pinned in one pool call, which a running

@@ -7,7 +7,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import pytest
 import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine_worker.kv_transfer import TransferHeader, checksum
@@ -161,23 +161,38 @@ def test_pulls_beside_busy_steps_keep_every_output_exact() -> None:
         assert in_use(a) == in_use(b) == 0
 
 
+#: A prompt of 5 full blocks that a source with :func:`small_hbm` pushes down its tiers.
+LOW = list(range(3000, 3080))
+LOW_KEYS = block_keys(LOW, 16, root_parent("tiny"))
+
+
+def small_hbm(tmp_path: Path) -> WorkerSettings:
+    """A source whose 12 HBM blocks hold one prompt; DRAM 2 and SSD 64 below."""
+    return settings(
+        "src", hbm_blocks=12, dram_blocks=2, ssd_blocks=64, ssd_path=tmp_path, max_model_len=128
+    )
+
+
+def push_down(url: str) -> dict[int, str]:
+    """18 more blocks on ``url`` (:func:`small_hbm`) push :data:`LOW`'s down the tiers, at
+    least 3 to the SSD; where each block ``url`` holds sits (key -> medium)."""
+    for i in range(3):
+        complete(url, list(range(4000 + 100 * i, 4080 + 100 * i)))
+    held = httpx.get(f"{url}/kv/keys", headers=AUTH, timeout=10).json()["blocks"]
+    where = {k: m for m, ks in held.items() for k in ks}
+    assert all(k in where for k in LOW_KEYS)
+    assert [where[k] for k in LOW_KEYS].count(Medium.SSD.value) >= 3
+    return where
+
+
 def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Path) -> None:
     # The source pins the blocks on every tier in one pool call and reads the SSD ones on
     # its sending thread; whichever path the bytes take (data socket or HTTP), the
     # receiver gets the prefix exactly and the source holds no pin afterwards.
-    prompt = list(range(3000, 3080))  # 5 full blocks
-    keys = block_keys(prompt, 16, root_parent("tiny"))
-    small = settings(
-        "src", hbm_blocks=12, dram_blocks=2, ssd_blocks=64, ssd_path=tmp_path, max_model_len=128
-    )
-    with workers(small, settings("dst")) as (src, dst):
+    prompt, keys = LOW, LOW_KEYS
+    with workers(small_hbm(tmp_path), settings("dst")) as (src, dst):
         text = complete(src, prompt)["choices"][0]["text"]
-        for i in range(3):  # 18 more blocks push the prompt's down the tiers
-            complete(src, list(range(4000 + 100 * i, 4080 + 100 * i)))
-        held = httpx.get(f"{src}/kv/keys", headers=AUTH, timeout=10).json()["blocks"]
-        where = {k: m for m, ks in held.items() for k in ks}
-        assert all(k in where for k in keys)
-        assert [where[k] for k in keys].count(Medium.SSD.value) >= 3
+        where = push_down(src)
         r = pull(dst, src, keys=keys)
         assert r.status_code == 200, r.text
         assert r.json()["pulled"] == 5
@@ -192,6 +207,7 @@ def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Pat
         header = msgspec.msgpack.decode(data[8 : 8 + length], type=TransferHeader)
         size, rest = header.block_bytes, data[8 + length :]
         assert header.keys == keys
+        assert header.streamed == [where[k] for k in keys].count(Medium.SSD.value)
         assert len(rest) == 5 * size > 0
         assert [checksum(rest[i * size : (i + 1) * size]) for i in range(5)] == header.checksums
         # Serving moved nothing and holds nothing: the source's copies stay where they were.
@@ -202,14 +218,71 @@ def test_a_peers_dram_and_ssd_copies_are_pulled_exactly_and_let_go(tmp_path: Pat
         assert set(stats["in_use_by_medium"].values()) == {0}
         # The source read its SSD blocks as it streamed them, so the stream's pace was
         # its SSD's as much as the network's: not what dst publishes as its transfer
-        # bandwidth (the router prices a peer's reads apart). A pull of blocks a source
-        # holds in memory sets it (0: none measured; the router takes its default).
-        assert transfer_bandwidth(dst) == 0
-        fresh = list(range(4400, 4480))
-        complete(src, fresh)
-        r = pull(dst, src, keys=block_keys(fresh, 16, root_parent("tiny")))
-        assert r.json()["pulled"] == 5
-        assert transfer_bandwidth(dst) > 0
+        # bandwidth (the router prices a peer's reads apart).
+        only_memory_pulls_are_timed(dst, src, src)
+
+
+@contextlib.contextmanager
+def without_data_port(source: str) -> Iterator[str]:
+    """A source URL with no KV data socket, so that pulls from it go over HTTP: it relays
+    ``POST /kv/blocks`` to the worker at ``source``, chunk by chunk as they come."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        return JSONResponse({"port": None})
+
+    async def blocks(request: Request) -> StreamingResponse:
+        client = httpx.AsyncClient(timeout=30)
+        headers = {"content-type": "application/json", **AUTH}
+        ask = client.build_request("POST", f"{source}/kv/blocks", content=await request.body(),
+                                   headers=headers)  # fmt: skip
+        answer = await client.send(ask, stream=True)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            finally:
+                await answer.aclose()
+                await client.aclose()
+
+        return StreamingResponse(relay(), status_code=answer.status_code)
+
+    routes = [Route("/kv/endpoint", endpoint), Route("/kv/blocks", blocks, methods=["POST"])]
+    with serve_app(Starlette(routes=routes)) as url:
+        yield url
+
+
+def test_a_source_without_a_data_port_streams_its_ssd_copy_in_the_http_body(
+    tmp_path: Path,
+) -> None:
+    # POST /kv/blocks (a source without a data socket) sends the header first and reads
+    # each SSD block just before it goes, as the data socket does: a body held the run it
+    # served whole, which for a window of 4,096 blocks is gigabytes.
+    with workers(small_hbm(tmp_path), settings("dst")) as (src, dst):
+        text = complete(src, LOW)["choices"][0]["text"]
+        push_down(src)
+        with without_data_port(src) as source:
+            r = pull(dst, source, keys=LOW_KEYS)
+            assert r.status_code == 200, r.text
+            assert r.json()["pulled"] == 5
+            # Paced by the source's SSD reads as much as by the network: not published.
+            only_memory_pulls_are_timed(dst, src, source)
+        pooled = complete(dst, LOW)
+        assert pooled["choices"][0]["text"] == text
+        assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert in_use(src) == 0
+
+
+def only_memory_pulls_are_timed(dst: str, src: str, source: str) -> None:
+    """``dst``, whose only pull so far streamed SSD blocks, publishes no bandwidth (0: none
+    measured; the router takes its default) until it pulls blocks ``src`` holds in memory,
+    from ``source`` (``src``, or a relay of it)."""
+    assert transfer_bandwidth(dst) == 0
+    fresh = list(range(4400, 4480))
+    complete(src, fresh)
+    r = pull(dst, source, keys=block_keys(fresh, 16, root_parent("tiny")))
+    assert r.json()["pulled"] == 5
+    assert transfer_bandwidth(dst) > 0
 
 
 def transfer_bandwidth(url: str) -> float:

@@ -383,8 +383,8 @@ async def test_the_data_socket_sends_the_header_first_and_reads_ssd_blocks_as_th
             for i, read in list(out.reads.items()):
 
                 def watched(
-                    i: int = i, read: Callable[[], bytes] = read, out: Outgoing = out
-                ) -> bytes:
+                    i: int = i, read: Callable[[], memoryview | bytes] = read, out: Outgoing = out
+                ) -> memoryview | bytes:
                     # Did the header get there first? (Given the time to, once it can.)
                     first = header_in.wait(5.0) if wait else header_in.is_set()
                     reads.append((i, first, [j for j in range(i) if len(out.payload[j])]))
@@ -433,7 +433,7 @@ async def test_a_read_that_fails_mid_stream_cuts_the_transfer_and_lets_every_pin
     # stream short. The receiver refuses it (and recomputes); the source unpins all.
     with on_every_tier(tmp_path) as (storage, pool):
 
-        def broken() -> bytes:
+        def broken() -> memoryview:
             raise OSError(5, "Input/output error")
 
         async def export(keys: Sequence[int], release: str | None) -> Outgoing:
