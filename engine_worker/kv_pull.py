@@ -19,9 +19,9 @@ the blocks cached, :attr:`PullResult.seconds`); the worker's transfer bandwidth,
 which its heartbeat publishes, folds in only the time its blocks were streaming
 (from the transfer's first byte to its last), and only for streams of blocks the
 source held in memory: a source reads its SSD blocks as it streams them, the
-header says how many (``streamed``), and the router prices those reads itself, per source and medium
-(:func:`policies.cost_model.peer_read_seconds`), so a pull of a peer's SSD copy
-must not make every later pull look that slow.
+header says how many (``streamed``), and the router prices those reads itself,
+per source and medium (:func:`policies.cost_model.peer_read_seconds`), so a pull
+of a peer's SSD copy must not make every later pull look that slow.
 A ``sim`` worker's pulls take and publish modeled time instead
 (:class:`ModeledTransfer`).
 """

@@ -195,10 +195,10 @@ class Outgoing:
 
     Every block is pinned in the source's pool until :meth:`close`. Blocks in host
     memory are sent in place; SSD and device-memory blocks are read, and checksums the
-    pool did not know are computed, off the engine thread by the sender: all before the header
-    (:meth:`finish`), or the unhashed ones before it (:meth:`stream_header`) and the
-    rest one by one as they are sent (:meth:`take`). Call :meth:`close` once the bytes
-    are sent, on the thread that owns the pool (a worker wraps it).
+    pool did not know are computed, off the engine thread by the sender: all before
+    the header (:meth:`finish`), or the unhashed ones before it (:meth:`stream_header`)
+    and the rest one by one as they are sent (:meth:`take`). Call :meth:`close` once
+    the bytes are sent, on the thread that owns the pool (a worker wraps it).
     """
 
     header: TransferHeader
