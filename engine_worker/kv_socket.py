@@ -36,7 +36,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -52,15 +52,14 @@ from engine_worker.kv_transfer import (
     check_block,
     encode_transfer,
     fresh_views,
+    in_thread,
     read_header,
 )
 from indexer.tasks import cancel_and_wait
 
-__all__ = ["TRANSFER_THREADS", "KvSocketServer", "fetch_blocks", "in_thread"]
+__all__ = ["TRANSFER_THREADS", "KvSocketServer", "fetch_blocks"]
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 _FRAME = struct.Struct(">4sI")
 _REQUEST = b"KVQ1"
@@ -244,35 +243,6 @@ def _receive(
         check_block(header, i, view)
     if sock.recv(1):
         raise TransferError("trailing", "bytes after the last block")
-
-
-async def in_thread(
-    fn: Callable[[], _T],
-    executor: ThreadPoolExecutor | None = None,
-    timeout_s: float | None = None,
-    abort: Callable[[], None] | None = None,
-) -> _T:
-    """Run ``fn``, blocking I/O, on ``executor`` (the loop's default: None); within
-    ``timeout_s``.
-
-    On a timeout or a cancellation ``abort`` is called (e.g. a socket shut down, which
-    ends the thread's blocking call) and the thread is waited for before the error
-    propagates: the caller may release the memory the thread reads or writes as soon as
-    this returns.
-    """
-    done = asyncio.get_running_loop().run_in_executor(executor, fn)
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await asyncio.shield(done)
-    except BaseException:
-        if abort is not None:
-            abort()
-        while not done.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([done])
-        if not done.cancelled():
-            done.exception()  # retrieved: an error after an abort is expected
-        raise
 
 
 def _shut(sock: socket.socket) -> Callable[[], None]:

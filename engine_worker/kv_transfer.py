@@ -56,13 +56,16 @@ metadata, as the simulated pool needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -93,10 +96,14 @@ __all__ = [
     "export_pinned",
     "fresh_views",
     "import_blocks",
+    "in_thread",
     "read_header",
     "read_transfer",
     "reserve_import",
+    "transfer_chunks",
 ]
+
+_T = TypeVar("_T")
 
 MAGIC = b"KVX1"
 _PREFIX = struct.Struct(">4sI")
@@ -350,6 +357,60 @@ def export_blocks(
         return out.header, [bytes(p) for p in out.payload]
     finally:
         out.close()
+
+
+async def in_thread(
+    fn: Callable[[], _T],
+    executor: ThreadPoolExecutor | None = None,
+    timeout_s: float | None = None,
+    abort: Callable[[], None] | None = None,
+) -> _T:
+    """Run ``fn``, blocking I/O, on ``executor`` (the loop's default: None); within
+    ``timeout_s``.
+
+    On a timeout or a cancellation ``abort`` is called (e.g. a socket shut down, which
+    ends the thread's blocking call) and the thread is waited for before the error
+    propagates: the caller may release the memory the thread reads or writes as soon as
+    this returns.
+    """
+    done = asyncio.get_running_loop().run_in_executor(executor, fn)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(done)
+    except BaseException:
+        if abort is not None:
+            abort()
+        while not done.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([done])
+        if not done.cancelled():
+            done.exception()  # retrieved: an error after an abort is expected
+        raise
+
+
+def transfer_chunks(out: Outgoing) -> AsyncGenerator[memoryview | bytes, None]:
+    """``out`` as the chunks of a stream (an HTTP body): the header, then each block,
+    those still to read (SSD, device memory) read on a thread just before they go
+    (:meth:`Outgoing.stream_header`, :meth:`Outgoing.take`), so the stream holds one
+    block it read at a time, not the run. ``out`` is closed (its pins dropped) when the
+    stream ends, however it ends, once no read is running; also when it is dropped
+    without ever being read (a caller gone before the first chunk)."""
+
+    async def chunks() -> AsyncGenerator[memoryview | bytes, None]:
+        try:
+            header = await in_thread(out.stream_header)
+            yield encode_transfer(header)
+            for i in range(len(header.keys)):
+                if i in out.reads:  # on the SSD or in device memory: read it off the loop
+                    yield await in_thread(functools.partial(out.take, i))
+                else:
+                    yield out.take(i)
+        finally:
+            out.close()
+
+    stream = chunks()
+    weakref.finalize(stream, out.close)  # never started, its finally would never run
+    return stream
 
 
 class _ChunkReader:

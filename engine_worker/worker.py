@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import Counter
@@ -23,8 +22,8 @@ from engine_worker.block_pool import BlockPool, PoolStats, TierCapacity
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
 from engine_worker.engine import EngineLoop, EventSink, SinkFanOut, StepRecord
 from engine_worker.kv_pull import KvPuller, ModeledTransfer
-from engine_worker.kv_socket import KvSocketServer, in_thread
-from engine_worker.kv_transfer import Outgoing, encode_transfer, export_pinned
+from engine_worker.kv_socket import KvSocketServer
+from engine_worker.kv_transfer import Outgoing, export_pinned, transfer_chunks
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.model.registry import ModelSpec, resolve
 from engine_worker.pd import Leases
@@ -364,22 +363,7 @@ class Worker:
         read on a thread just before they go (:meth:`Outgoing.stream_header`,
         :meth:`Outgoing.take`), so a body holds one block it read at a time, not the
         run. The pins go when the body ends, however it ends, once no read is running."""
-        out = await self.export_pinned(keys, release)
-
-        async def body() -> AsyncIterator[memoryview | bytes]:
-            try:
-                header = await in_thread(out.stream_header)
-                yield encode_transfer(header)
-                for i in range(len(header.keys)):
-                    yield (
-                        await in_thread(functools.partial(out.take, i))
-                        if i in out.reads
-                        else out.take(i)
-                    )
-            finally:
-                out.close()
-
-        return body()
+        return transfer_chunks(await self.export_pinned(keys, release))
 
     async def export_pinned(self, keys: Sequence[int], release: str | None = None) -> Outgoing:
         """The longest cached run of ``keys``, pinned in one pool call, which a running

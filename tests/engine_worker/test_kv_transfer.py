@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -29,6 +30,7 @@ from engine_worker.kv_transfer import (
     import_blocks,
     read_transfer,
     reserve_import,
+    transfer_chunks,
 )
 from engine_worker.tiers import TierError, TierStorage
 from indexer.events import BlockStored
@@ -451,6 +453,40 @@ async def test_a_read_that_fails_mid_stream_cuts_the_transfer_and_lets_every_pin
             await server.stop()
         assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
         assert len(pool.match_prefix(KEYS)) == len(KEYS)  # nothing lost at the source
+        pool.verify()
+
+
+async def test_a_streamed_body_lets_every_pin_go_however_it_ends(tmp_path: Path) -> None:
+    # POST /kv/blocks streams a transfer as an HTTP body (transfer_chunks). Read whole, it
+    # is the transfer, its SSD blocks read as they go; cut after its header (a caller
+    # gone), or dropped before its first chunk was asked for, the source still lets go
+    # of every block it pinned.
+    with on_every_tier(tmp_path) as (storage, pool):
+        media = (Medium.HBM, Medium.DRAM, Medium.SSD)
+        idle = [pool.num_free(m) for m in media]
+        truth = [storage.read_bytes(b.medium, b.block_id) for b in pool.match_prefix(KEYS)]
+
+        def body() -> AsyncGenerator[memoryview | bytes, None]:
+            return transfer_chunks(export_pinned(pool, storage, "m", LAYOUT.block_size, KEYS))
+
+        def pinned() -> bool:
+            return [pool.num_free(m) for m in media] != idle
+
+        whole = b"".join([bytes(chunk) async for chunk in body()])
+        header, got = await read_transfer(chunks_of(whole, 1000), EXPECTED)
+        assert header.streamed == 2
+        assert [bytes(g) for g in got] == truth
+        assert not pinned()
+        cut = body()
+        assert bytes(await anext(cut)) == encode_transfer(header)
+        assert pinned()
+        await cut.aclose()
+        assert not pinned()
+        dropped = body()
+        assert pinned()
+        del dropped
+        gc.collect()
+        assert not pinned()
         pool.verify()
 
 
