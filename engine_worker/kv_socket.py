@@ -173,12 +173,12 @@ class KvSocketServer:
         try:
             try:
                 request = await asyncio.wait_for(self._request(conn), _REQUEST_TIMEOUT_S)
+                out = await self._export(request.keys, request.release)
             except TransferError as exc:
                 refusal = TransferRefusal(reason=exc.reason, message=str(exc))
                 await loop.sock_sendall(conn, _frame(_ERROR, _encoder.encode(refusal)))
                 await _linger(conn)
                 return
-            out = await self._export(request.keys, request.release)
             try:
                 limit = self._send_timeout_s
                 send = functools.partial(_send, conn, out, limit)
@@ -187,6 +187,8 @@ class KvSocketServer:
                 out.close()
         except (TimeoutError, OSError) as exc:
             log.info("KV data connection dropped: %r", exc)
+        except Exception as exc:  # e.g. a read off the SSD failed mid-stream
+            log.warning("KV transfer to a peer failed, the stream cut short: %r", exc)
         finally:
             conn.close()
 

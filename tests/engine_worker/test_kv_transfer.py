@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from engine_worker.kv_transfer import (
     reserve_import,
     transfer_chunks,
 )
+from engine_worker.ssd_tier import ManifestError
 from engine_worker.tiers import TierError, TierStorage
 from indexer.events import BlockStored
 from indexer.keys import block_keys, root_parent
@@ -428,15 +430,20 @@ async def test_the_data_socket_sends_the_header_first_and_reads_ssd_blocks_as_th
         pool.verify()
 
 
+@pytest.mark.parametrize(
+    "error", [OSError(5, "Input/output error"), ManifestError("short read of SSD slot 3")]
+)
 async def test_a_read_that_fails_mid_stream_cuts_the_transfer_and_lets_every_pin_go(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
     # The header is out before the SSD reads: a read that fails after it can only cut the
-    # stream short. The receiver refuses it (and recomputes); the source unpins all.
+    # stream short. The receiver refuses it (and recomputes); the source unpins all and
+    # says why in its log.
+    caplog.set_level(logging.INFO, logger="engine_worker.kv_socket")
     with on_every_tier(tmp_path) as (storage, pool):
 
         def broken() -> memoryview:
-            raise OSError(5, "Input/output error")
+            raise error
 
         async def export(keys: Sequence[int], release: str | None) -> Outgoing:
             out = export_pinned(pool, storage, "m", LAYOUT.block_size, keys)
@@ -451,6 +458,7 @@ async def test_a_read_that_fails_mid_stream_cuts_the_transfer_and_lets_every_pin
             assert caught.value.reason == "truncated"
         finally:
             await server.stop()
+        assert repr(error) in caplog.text
         assert [pool.num_free(m) for m in (Medium.HBM, Medium.DRAM, Medium.SSD)] == [5, 2, 8]
         assert len(pool.match_prefix(KEYS)) == len(KEYS)  # nothing lost at the source
         pool.verify()
