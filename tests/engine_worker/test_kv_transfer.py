@@ -328,8 +328,9 @@ class DeviceHBM(TierStorage):
 
 def test_device_memory_blocks_are_copied_by_the_sender_not_in_the_pool_call() -> None:
     # A GPU's HBM blocks were copied to host memory inside the pool call, under the
-    # scheduler lock: a PD hand-off of a long prompt held the prefill worker's next step
-    # for the whole copy. Pinned, they cannot change until the sender has copied them.
+    # scheduler lock: for a PD hand-off of a long prompt the prefill worker's engine could
+    # not schedule its next step until the copy was done. Pinned, the blocks cannot change
+    # until the sender has copied them.
     capacity = TierCapacity(hbm=8, dram=0)
     storage = DeviceHBM(LAYOUT, capacity)
     pool = BlockPool(capacity, storage)
