@@ -358,15 +358,11 @@ class BlockPool:
         for done, block in enumerate(blocks):
             slots = all_blocks.get(block.medium) if type(block) is Block else None
             bid = block.block_id if slots is not None else -1
-            if (
-                slots is None
-                or not 0 <= bid < len(slots)
-                or slots[bid] is not block
-                or (block.ref_cnt <= 0)
-            ):
+            ours = slots is not None and 0 <= bid < len(slots) and slots[bid] is block
+            if not ours or block.ref_cnt <= 0:
                 for undo in blocks[:done]:
                     undo.ref_cnt += 1
-                if slots is not None and 0 <= bid < len(slots) and slots[bid] is block:
+                if ours:
                     raise PoolError(
                         f"double free of {block.medium} block {bid} (ref_cnt {block.ref_cnt})"
                     )

@@ -55,6 +55,7 @@ import httpx
 import typer
 from rich.console import Console
 
+from engine_worker.ssd_tier import SLOTS_FILE
 from indexer.keys import block_keys, root_parent
 from kvrouter.embedded_redis import free_port
 from kvrouter.tools.table import grid
@@ -264,7 +265,7 @@ def main(
                         _prefill(a, model, [rng.randrange(VOCAB) for _ in range(prompt_tokens)])
                     on_ssd = _on_ssd(a, model, prompt)
                     if cold:
-                        _drop_cached(Path(tmp) / "a-ssd" / "slots.bin")
+                        _drop_cached(Path(tmp) / "a-ssd" / SLOTS_FILE)
                     pull, stall, median_gap = _pull_beside_decode(a, b, model, prompt, rng)
                     stalls.append((on_ssd, pull["seconds"], stall, median_gap))
                 else:
