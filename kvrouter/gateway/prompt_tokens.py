@@ -68,6 +68,7 @@ import math
 import re
 import secrets
 import threading
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -192,12 +193,12 @@ def _plain_text_problem(tokenizer: Tokenizer, spec: dict[str, Any]) -> str | Non
 
 def prefix_cache_support(tokenizer: Tokenizer) -> str | None:
     """None when prompts of ``tokenizer`` may be cut at added tokens, else why not."""
-    return _added_token_problem(tokenizer, _spec(tokenizer))
+    return _traits(tokenizer).added_token_problem
 
 
 def plain_cut_support(tokenizer: Tokenizer) -> str | None:
     """None when prompts of ``tokenizer`` may be cut inside plain text, else why not."""
-    return _plain_text_problem(tokenizer, _spec(tokenizer))
+    return _traits(tokenizer).plain_text_problem
 
 
 def _max_token_chars(tokenizer: Tokenizer, spec: dict[str, Any]) -> int | None:
@@ -210,6 +211,51 @@ def _max_token_chars(tokenizer: Tokenizer, spec: dict[str, Any]) -> int | None:
     added = tokenizer.backend.get_added_tokens_decoder().values()
     # A byte-level vocabulary spells each byte as one character: length == bytes >= chars.
     return max([*(len(t) for t in vocab), *(len(t.content) for t in added), 1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Traits:
+    """What a :class:`PromptTokenizer` needs to know of its tokenizer (see :func:`_traits`)."""
+
+    added_token_problem: str | None
+    plain_text_problem: str | None
+    max_token_chars: int | None
+    #: Matches any added token, longest first; None when there is none.
+    added: re.Pattern[str] | None
+    #: Characters of the longest added token (0: none).
+    longest: int
+
+
+#: Each tokenizer's traits, derived once: parsing its JSON spec and scanning its
+#: vocabulary take ~0.1 s, and a gateway may build a :class:`PromptTokenizer` per model
+#: more than once (a reload, a test per example). A :class:`Tokenizer` is not changed
+#: once built (nothing in the product adds tokens to a loaded one), so they stay true.
+_TRAITS: weakref.WeakKeyDictionary[Tokenizer, _Traits] = weakref.WeakKeyDictionary()
+_TRAITS_LOCK = threading.Lock()
+
+
+def _traits(tokenizer: Tokenizer) -> _Traits:
+    """``tokenizer``'s traits, from the cache or derived (thread-safe)."""
+    with _TRAITS_LOCK:
+        got = _TRAITS.get(tokenizer)
+    if got is not None:
+        return got
+    spec = _spec(tokenizer)
+    added = sorted(
+        {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()},
+        key=len,
+        reverse=True,
+    )
+    got = _Traits(
+        added_token_problem=_added_token_problem(tokenizer, spec),
+        plain_text_problem=_plain_text_problem(tokenizer, spec),
+        max_token_chars=_max_token_chars(tokenizer, spec),
+        # Longest first: at a given position the regex matches the longest added token.
+        added=re.compile("|".join(map(re.escape, added))) if added else None,
+        longest=len(added[0]) if added else 0,
+    )
+    with _TRAITS_LOCK:
+        return _TRAITS.setdefault(tokenizer, got)
 
 
 def _cost(ids: array[int]) -> int:
@@ -309,21 +355,15 @@ class PromptTokenizer:
     ) -> None:
         if plain_cut_chars < 1:
             raise ValueError(f"plain_cut_chars must be >= 1, got {plain_cut_chars}")
-        spec = _spec(tokenizer)
+        traits = _traits(tokenizer)
         self.tokenizer = tokenizer
-        self.unsupported = _added_token_problem(tokenizer, spec)
-        self.plain_unsupported = _plain_text_problem(tokenizer, spec)
+        self.unsupported = traits.added_token_problem
+        self.plain_unsupported = traits.plain_text_problem
         self.plain_cut_chars = plain_cut_chars
         self.cache = TokenPrefixCache(max_bytes=cache_bytes)
-        self.max_token_chars = _max_token_chars(tokenizer, spec)
-        added = sorted(
-            {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()},
-            key=len,
-            reverse=True,
-        )
-        # Longest first: at a given position the regex matches the longest added token.
-        self._added = re.compile("|".join(map(re.escape, added))) if added else None
-        self._longest = len(added[0]) if added else 0
+        self.max_token_chars = traits.max_token_chars
+        self._added = traits.added
+        self._longest = traits.longest
 
     @property
     def caching(self) -> bool:
