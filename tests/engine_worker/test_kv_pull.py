@@ -356,13 +356,19 @@ def test_blocks_of_another_kv_layout_are_refused(trio: list[str]) -> None:
 def tampering_source(data_port: int, tamper: Callable[[bytes], bytes]) -> Iterator[str]:
     """A source URL whose data socket relays a real worker's transfers, ``tamper``ed."""
     listener = socket.create_server(("127.0.0.1", 0))
+    # Closing a socket does not wake a thread blocked in its accept(): poll a flag.
+    listener.settimeout(0.05)
+    done = threading.Event()
 
     def relay() -> None:
-        while True:
+        while not done.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             with conn, socket.create_connection(("127.0.0.1", data_port)) as up:
                 frame = conn.recv(8, socket.MSG_WAITALL)
                 body = conn.recv(int.from_bytes(frame[4:], "big"), socket.MSG_WAITALL)
@@ -381,8 +387,10 @@ def tampering_source(data_port: int, tamper: Callable[[bytes], bytes]) -> Iterat
         with serve_app(Starlette(routes=[Route("/kv/endpoint", endpoint)])) as url:
             yield url
     finally:
-        listener.close()
+        done.set()
         thread.join(10)
+        assert not thread.is_alive()
+        listener.close()
 
 
 def _flip(data: bytes) -> bytes:
