@@ -473,6 +473,9 @@ def compare_live(
     rps_workers: Annotated[int, typer.Option(help="Sim workers (time scale 0) of --rps.")] = 4,
     rps_clients: Annotated[int, typer.Option(help="Concurrent closed-loop clients.")] = 32,
     rps_seconds: Annotated[float, typer.Option(help="Seconds per rps target.")] = 15.0,
+    rps_warm: Annotated[
+        float, typer.Option(help="Unmeasured warm-up seconds per rps target, before them.")
+    ] = 2.0,
     log_dir: Annotated[Path, typer.Option(help="Process logs.")] = Path("var/compare"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure.")] = None,
     limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
@@ -510,7 +513,7 @@ def compare_live(
                         dram_blocks=dram_blocks)  # fmt: skip
     config = CompareConfig(specs, fleet, time_scale=time_scale, overhead_probes=overhead_probes,
                            rps_workers=rps_workers, rps_clients=rps_clients,
-                           rps_seconds=rps_seconds)  # fmt: skip
+                           rps_seconds=rps_seconds, rps_warm_s=rps_warm)  # fmt: skip
     replays, overhead, rps = run_compare(traces, config, chosen, log_dir, console)
     if json_out is not None:
         json_out.write_bytes(to_json(replays, overhead, rps, {

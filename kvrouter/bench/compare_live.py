@@ -239,23 +239,27 @@ def measure_rps(
     *,
     clients: int = 32,
     seconds: float = 15.0,
+    warm_s: float = 2.0,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[RpsResult]:
-    """Closed-loop requests/s straight to the workers, then through each router."""
+    """Closed-loop requests/s straight to the workers, then through each router (each
+    measured for ``seconds`` after ``warm_s`` unmeasured)."""
     model = fleet.config.model
     rng = random.Random(seed)
     pool = [prompts.suffix(rng, 64) for _ in range(512)]
     if progress is not None:
         progress("requests/s straight to the workers")
     out = [asyncio.run(_closed_loop("direct", list(fleet.workers.values()), model, pool,
-                                    clients, seconds))]  # fmt: skip
+                                    clients, seconds, warm_s))]  # fmt: skip
     for spec in routers:
         fleet.restart()
         if progress is not None:
             progress(f"requests/s through {spec.name}")
         with fleet.router(spec) as base:
-            out.append(asyncio.run(_closed_loop(spec.name, [base], model, pool, clients, seconds)))
+            out.append(
+                asyncio.run(_closed_loop(spec.name, [base], model, pool, clients, seconds, warm_s))
+            )
     return out
 
 
@@ -400,6 +404,7 @@ class CompareConfig:
     rps_workers: int = 4
     rps_clients: int = 32
     rps_seconds: float = 15.0
+    rps_warm_s: float = 2.0
     seed: int = 0
 
 
@@ -453,8 +458,8 @@ def run_compare(
         try:
             fleet.start()
             rps = measure_rps(fleet, config.routers, prompts, clients=config.rps_clients,
-                              seconds=config.rps_seconds, seed=config.seed,
-                              progress=say)  # fmt: skip
+                              seconds=config.rps_seconds, warm_s=config.rps_warm_s,
+                              seed=config.seed, progress=say)  # fmt: skip
         finally:
             fleet.close()
         render_rps(rps, console, baseline)

@@ -57,7 +57,7 @@ def test_compare_serves_every_request_through_every_router(tmp_path: Path) -> No
         specs.append(RouterSpec.parse("sglang-router:cache_aware"))
     config = CompareConfig(
         specs, FleetConfig(workers=2, time_scale=0.0, hbm_blocks=512, dram_blocks=512),
-        overhead_probes=2, rps_workers=1, rps_clients=4, rps_seconds=1.0,
+        overhead_probes=2, rps_workers=1, rps_clients=4, rps_seconds=1.0, rps_warm_s=0.2,
     )  # fmt: skip
     console = Console(width=200, record=True)
     replays, overhead, rps = run_compare(
