@@ -220,6 +220,29 @@ def prefill_seconds(
     return total
 
 
+def decode_stall_seconds(
+    profile: TimingProfile,
+    new_tokens: int,
+    cached_tokens: int,
+    decode_batch: int,
+    decode_kv_tokens: int,
+) -> float:
+    """What prefilling ``new_tokens`` after ``cached_tokens`` adds to each sequence
+    decoding beside it.
+
+    The steps that carry the prompt's chunks, less the decode steps they stand in for:
+    each of them would have run anyway, paying the step overhead and the decode batch,
+    so a short remainder costs its own tokens only, not a whole prefill step. 0 with
+    no decode batch.
+    """
+    if decode_batch <= 0 or new_tokens <= 0:
+        return 0.0
+    batch, kv = decode_batch, decode_kv_tokens
+    steps = -(-new_tokens // _chunk(profile, batch))
+    alone = steps * profile.decode_seconds(batch, kv)
+    return prefill_seconds(profile, new_tokens, cached_tokens, batch, kv) - alone
+
+
 def pull_seconds(
     view: WorkerView, profile: TimingProfile, tokens: int, read_seconds: float = 0.0
 ) -> float:

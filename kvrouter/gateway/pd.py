@@ -11,7 +11,9 @@ decode-only ones). :class:`PdPlanner` then picks the decode worker and decides:
   ``kv_ttft`` uses (``policies.cost_model``). Colocated on the decode worker
   costs its own TTFT (its queue, then prefilling what it lacks beside its
   running batch) *plus* what that prefill does to the requests decoding there:
-  every running sequence waits out the prefill compute, ``running x work``.
+  every running sequence waits out what the prefill's chunks add to the steps
+  that carry them, ``running x added`` (:func:`~policies.cost_model.decode_stall_seconds`:
+  a step runs for the decodes anyway, so a short remainder adds its tokens only).
   When the policy's choice decodes too (role ``both``), colocating there is a
   third option, costed the same way. Disaggregated costs the prefill worker's
   predicted TTFT plus moving the uncached part of the prompt's KV to the
@@ -36,6 +38,8 @@ from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, Role, WorkerView
 from policies.cost_model import (
     DEFAULT_TRANSFER_BANDWIDTH,
+    decode_batch,
+    decode_stall_seconds,
     prefill_seconds,
     pull_seconds,
     queue_seconds,
@@ -167,9 +171,8 @@ class PdPlanner:
         profile = resolve_profile(view, self.default_profile)
         cached = self._cached(view, num_tokens, block_size, matches)
         new = num_tokens - cached
-        batch = view.running
-        kv = view.running_kv_tokens or batch * self.mean_decode_context
+        batch, kv = decode_batch(view, self.mean_decode_context)
         queued = view.queued_prefill_tokens
         ttft = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
         ttft += prefill_seconds(profile, new, cached, batch, kv)
-        return ttft, batch * profile.prefill_seconds(new, cached)
+        return ttft, batch * decode_stall_seconds(profile, new, cached, batch, kv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from msgspec.structs import replace
 
 from indexer.views import Role, WorkerView
@@ -49,8 +50,16 @@ def test_auto_splits_when_local_prefill_would_stall_a_busy_decoder() -> None:
     busy = decode_view(running=64, running_kv=64 * 2048)
     plan = planner().plan([prefill_view(), busy], "p", split_ttft, prompt, BLOCK, {})
     assert (plan.disaggregate, plan.reason, plan.decode) == (True, "cheaper_split", "d")
-    stall = plan.predicted["decode_local_decode_stall"]
-    assert stall == 64 * PROFILE.prefill_seconds(prompt)
+    # Each of them waits out what the prompt's chunks add to the steps carrying them
+    # (those steps would decode the 64 anyway).
+    kv = 64 * 2048
+    chunk = PROFILE.max_num_batched_tokens - 64
+    added = sum(
+        PROFILE.step_seconds([(min(chunk, prompt - done), done)], 64, kv)
+        - PROFILE.decode_seconds(64, kv)
+        for done in range(0, prompt, chunk)
+    )
+    assert plan.predicted["decode_local_decode_stall"] == pytest.approx(64 * added)
     assert plan.predicted["split_transfer"] == transfer
     assert plan.header()["mode"] == "disaggregated"
 
@@ -71,3 +80,21 @@ def test_through_the_router_core_the_plan_sees_what_the_router_sent_since_the_he
     assert stale is not None
     assert laid is not None
     assert (stale.decode, laid.decode) == ("d1", "d2")
+
+
+def test_a_short_remainder_stays_on_the_decoding_worker_that_holds_the_prefix() -> None:
+    # The same 256-token prompt again: the policy's choice ("both" role, decoding 4
+    # requests) holds all of it but the last token; the decoder is idle and cold.
+    # Prefilling one token beside the 4 decodes adds its own few microseconds to their
+    # step, not a whole prefill step each (which had sent the request to recompute
+    # all 256 tokens on the cold decoder, with no cache hit, at twice the TTFT).
+    prompt = 256
+    both = replace(view("b", running=4, running_kv=4 * 512), role=Role.BOTH)
+    workers = [both, decode_view("d")]
+    held = {"b": match("b", hbm=prompt // BLOCK)}
+    ttft = PROFILE.prefill_seconds(1, prompt - 1)
+    plan = planner().plan(workers, "b", ttft, prompt, BLOCK, held)
+    assert (plan.disaggregate, plan.prefill, plan.reason) == (False, "b", "cheaper_local")
+    stall = plan.predicted["prefill_local_decode_stall"]
+    assert 0 < stall < PROFILE.prefill[0] / 10
+    assert plan.predicted["prefill_local_ttft"] < plan.predicted["decode_local_ttft"] / 1.5
