@@ -27,7 +27,7 @@ from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.load import HeldBlocks, Load
 from kvrouter.gateway.pd import PdPlan, PdPlanner
-from policies.base import Decision, NoWorkerError, Policy, RouteRequest
+from policies.base import Decision, NoWorkerError, PlacingPolicy, Policy, RouteRequest
 
 __all__ = [
     "CoreDecision",
@@ -253,7 +253,13 @@ class RouterCore:
         if held_of is not None and matches:
             matches = annotate_idle(matches, request.block_keys, held_of)
         policy = self.policy if cache_aware else self.fallback
-        decision = policy.choose(request, candidates(laid), matches or {})
+        placing = policy if isinstance(policy, PlacingPolicy) else None
+        scored = None
+        if placing is not None:
+            scored = placing.score(request, candidates(laid), matches or {})
+            decision = scored.decision
+        else:
+            decision = policy.choose(request, candidates(laid), matches or {})
         worker = decision.worker
         if self.affinity is not None:
             worker = self.affinity.prefer(request.session_id, decision, clock)
@@ -263,6 +269,12 @@ class RouterCore:
                 laid, worker, decision.predicted_ttft_s, request.num_tokens,
                 request.block_size, matches or {},
             )  # fmt: skip
+        if placing is not None and scored is not None:
+            # The policy remembers the worker that prefills: its choice, or where affinity
+            # or the planner (colocating on the decoder) sent the request instead.
+            prefill = plan.prefill if plan is not None else worker
+            ttft = plan.predicted.get("decode_local_ttft") if plan and prefill != worker else None
+            placing.commit(scored, prefill, ttft)
         return CoreDecision(decision, worker, plan, laid)
 
     def served(self, session_id: str | None, worker: str, clock: float | None = None) -> None:

@@ -4,6 +4,13 @@
 worker (for PD, also the prefill worker and any KV source peer) and carries
 the score breakdown per candidate, which the gateway exposes in metrics and
 the debug response header.
+
+A policy that remembers where it placed requests (speculative prefixes, routing
+rates) may also split ``choose`` in two (:class:`PlacingPolicy`): ``score``, then
+``commit`` of the worker the request actually went to. The router core uses the
+pair when session affinity or the PD planner sends the request elsewhere than
+the policy chose, so that the policy does not credit its choice with a prefix it
+never computed.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from indexer.views import PrefixMatch, WorkerView
 
-__all__ = ["Decision", "NoWorkerError", "Policy", "RouteRequest"]
+__all__ = ["Decision", "NoWorkerError", "PlacingPolicy", "Policy", "RouteRequest", "Scored"]
 
 
 class NoWorkerError(RuntimeError):
@@ -109,5 +116,44 @@ class Policy(Protocol):
 
         Raises:
             NoWorkerError: When ``workers`` is empty.
+        """
+        ...
+
+
+@dataclass(slots=True)
+class Scored:
+    """A request scored by a :class:`PlacingPolicy`, not yet committed.
+
+    Attributes:
+        decision: What ``choose`` would return: the policy's choice and every score.
+    """
+
+    decision: Decision
+
+
+@runtime_checkable
+class PlacingPolicy(Policy, Protocol):
+    """A policy whose ``choose`` is ``score`` then ``commit`` of the chosen worker.
+
+    ``commit`` records the placement in the policy's memory of what it routed; the
+    router core commits the worker the request really runs on, which session
+    affinity or the PD planner may have changed. ``commit`` follows its ``score``
+    directly, with no other ``score`` between them.
+    """
+
+    def score(
+        self,
+        request: RouteRequest,
+        workers: Sequence[WorkerView],
+        matches: Mapping[str, PrefixMatch],
+    ) -> Scored:
+        """Score ``request`` as ``choose`` does, recording no placement."""
+        ...
+
+    def commit(self, scored: Scored, worker: str, ttft_s: float | None = None) -> None:
+        """Record that the request of ``scored`` runs on ``worker``.
+
+        ``worker`` may be one the policy did not score (a decode-only worker under
+        PD); ``ttft_s`` is then the caller's predicted TTFT there.
         """
         ...

@@ -147,12 +147,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from indexer.media import Medium
 from indexer.profile import TimingProfile
 from indexer.views import PrefixMatch, WorkerView
 from policies.arrivals import RouteRates
-from policies.base import Decision, NoWorkerError, RouteRequest
+from policies.base import Decision, NoWorkerError, RouteRequest, Scored
 from policies.cost_model import (
     decode_batch,
     displacement_seconds,
@@ -172,6 +173,19 @@ from policies.live_cache import LiveCache
 from policies.speculation import Speculation
 
 __all__ = ["KvTtftPolicy"]
+
+
+@dataclass(slots=True)
+class _KvScored(Scored):
+    """What :meth:`KvTtftPolicy.commit` needs of a scoring."""
+
+    request: RouteRequest
+    matches: dict[str, PrefixMatch]
+    views: dict[str, WorkerView]
+    #: Per candidate: (matched, pulled, new) blocks and tokens as scored.
+    blocks: dict[str, tuple[int, int, int]]
+    #: :meth:`KvTtftPolicy._home`'s returned homes and new home's first block.
+    home: tuple[list[int], int | None]
 
 
 class KvTtftPolicy:
@@ -299,10 +313,24 @@ class KvTtftPolicy:
     ) -> Decision:
         """Pick the worker with the smallest predicted TTFT; see the module docstring.
 
+        :meth:`score`, then :meth:`commit` of the chosen worker.
+
         Raises:
             NoWorkerError: ``workers`` is empty.
             ValueError: A bad block size, or a worker without any profile to use.
         """
+        scored = self.score(request, workers, matches)
+        self.commit(scored, scored.decision.worker)
+        return scored.decision
+
+    def score(
+        self,
+        request: RouteRequest,
+        workers: Sequence[WorkerView],
+        matches: Mapping[str, PrefixMatch],
+    ) -> _KvScored:
+        """Score every candidate and pick one as :meth:`choose` does, recording no
+        placement (:class:`~policies.base.PlacingPolicy`)."""
         if not workers:
             raise NoWorkerError("kv_ttft: no worker to route to")
         now = request.now
@@ -466,39 +494,17 @@ class KvTtftPolicy:
             )
             rank[host] = (total, int(s["in_flight"]), host)
         best = min(rank, key=rank.__getitem__)
+        home: tuple[list[int], int | None] = ([], None)
         if self.homes is not None:
-            best = self._home(request, scores, rank, best)
+            best, home = self._home(request, scores, rank, best)
         if self.residency_tie_s > 0 and scores[best]["cached_tokens"] == 0:
             # The best candidate holds none of the prompt (usually: nobody does): among the
             # near-ties, the worker that took the fewest new blocks lately.
             bound = rank[best][0] + self.residency_tie_s
             near = [h for h in rank if rank[h][0] <= bound]
             best = min(near, key=lambda h: (self.grown.rate(h, now), rank[h]))
-        matched, pulled, new = blocks[best]
-        if self.residency_tie_s > 0:
-            self.grown.record(best, now, float(new + pulled * request.block_size))
-        if pulled:
-            # The pulled blocks are not on ``best`` until the pull lands: a request that
-            # followed this one there before then would recompute them, so they are not
-            # speculated; the next request sees the peer's copy and prices its own pull.
-            self._landing.setdefault(best, []).append(now + scores[best]["pull_s"])
-            self.speculation.record(best, keys[:matched], new, now, scores[best]["ttft_s"])
-        else:
-            self.speculation.record(best, keys, new, now, scores[best]["ttft_s"])
-        self.routed.record(best, now)
-        if self.live is not None:
-            # Its matched prefix (pulled blocks included) is reused on ``best``: live there.
-            epoch = views[best].epoch
-            self.live.touch(best, keys[: matched + pulled], now, epoch)
-        # How much this request is bound to its worker: the share of its prompt only that
-        # worker held, and the compute per second the choice saved against the next best.
-        others = max((c["cached_tokens"] for h, c in scores.items() if h != best), default=0.0)
-        advantage = (scores[best]["cached_tokens"] - others) / max(request.num_tokens, 1)
-        self.affine.record(best, now, min(max(advantage, 0.0), 1.0))
-        mine = scores[best]["work_s"]
-        saved = min((c["work_s"] for h, c in scores.items() if h != best), default=mine) - mine
-        self.switching.record(best, now, max(saved, 0.0))
-        return Decision(
+        matched, pulled, _ = blocks[best]
+        decision = Decision(
             worker=best,
             policy=self.name,
             scores=scores,
@@ -506,6 +512,61 @@ class KvTtftPolicy:
             matched_blocks=matched + pulled,
             kv_source=sources.get(best),
         )
+        return _KvScored(decision, request, dict(matches), views, blocks, home)
+
+    def commit(self, scored: Scored, worker: str, ttft_s: float | None = None) -> None:
+        """Record that the request of ``scored`` runs on ``worker``
+        (:class:`~policies.base.PlacingPolicy`).
+
+        On the policy's own choice this records what :meth:`choose` does. Elsewhere
+        (session affinity, or the PD planner colocating on a decoder) the worker
+        computes what it lacks itself, with no pull from a peer: that is what it is
+        credited with, at ``ttft_s`` (else the score's TTFT there, else the choice's).
+        """
+        assert isinstance(scored, _KvScored), "commit takes what this policy scored"
+        request, keys, now = scored.request, scored.request.block_keys, scored.request.now
+        scores = scored.decision.scores
+        terms = scores.get(worker)
+        if worker == scored.decision.worker:
+            matched, pulled, new = scored.blocks[worker]
+        else:
+            if terms is not None:
+                matched = scored.blocks[worker][0]
+            else:
+                match = self.speculation.merge(worker, keys, scored.matches.get(worker))
+                matched = min(match.blocks, len(keys)) if match is not None else 0
+            pulled, new = 0, split_prompt(request.num_tokens, matched, request.block_size)[1]
+        if ttft_s is None:
+            ttft_s = (terms or scores[scored.decision.worker])["ttft_s"]
+        if self.homes is not None:
+            returned, position = scored.home
+            if position is not None:
+                self.homes.place(worker, keys, position, now)
+            self.homes.follow(returned, worker)
+        if self.residency_tie_s > 0:
+            self.grown.record(worker, now, float(new + pulled * request.block_size))
+        if pulled:
+            # The pulled blocks are not on ``worker`` until the pull lands: a request that
+            # followed this one there before then would recompute them, so they are not
+            # speculated; the next request sees the peer's copy and prices its own pull.
+            self._landing.setdefault(worker, []).append(now + scores[worker]["pull_s"])
+            self.speculation.record(worker, keys[:matched], new, now, ttft_s)
+        else:
+            self.speculation.record(worker, keys, new, now, ttft_s)
+        self.routed.record(worker, now)
+        if terms is None:
+            return  # not a candidate: nothing to weigh it against
+        if self.live is not None:
+            # Its matched prefix (pulled blocks included) is reused on ``worker``: live there.
+            self.live.touch(worker, keys[: matched + pulled], now, scored.views[worker].epoch)
+        # How much this request is bound to its worker: the share of its prompt only that
+        # worker held, and the compute per second the choice saved against the next best.
+        others = max((c["cached_tokens"] for h, c in scores.items() if h != worker), default=0.0)
+        advantage = (terms["cached_tokens"] - others) / max(request.num_tokens, 1)
+        self.affine.record(worker, now, min(max(advantage, 0.0), 1.0))
+        mine = terms["work_s"]
+        saved = min((c["work_s"] for h, c in scores.items() if h != worker), default=mine) - mine
+        self.switching.record(worker, now, max(saved, 0.0))
 
     def _home(
         self,
@@ -513,9 +574,11 @@ class KvTtftPolicy:
         scores: dict[str, dict[str, float]],
         rank: Mapping[str, tuple[float, int, str]],
         best: str,
-    ) -> str:
+    ) -> tuple[str, tuple[list[int], int | None]]:
         """The candidate a prompt nobody holds half of makes its home on; see the module
-        docstring. Records the request's returns to older homes and the home it makes."""
+        docstring. Returns it with what :meth:`commit` records: the keys of the older
+        homes the request returns to, and the block its own home starts at (None: it
+        makes none)."""
         assert self.homes is not None
         keys = request.block_keys
         returned = self.homes.observe(keys, request.now)
@@ -531,9 +594,8 @@ class KvTtftPolicy:
             bound = rank[best][0] + p * slack
             near = [h for h in rank if rank[h][0] <= bound]
             best = min(near, key=lambda h: (scores[h]["home_demand"], rank[h]))
-            self.homes.place(best, keys, int(held) // request.block_size, request.now)
-        self.homes.follow(returned, best)
-        return best
+            return best, (returned, int(held) // request.block_size)
+        return best, (returned, None)
 
     def _expire_landings(self, now: float) -> None:
         """Forget the pulls that have landed by ``now``."""

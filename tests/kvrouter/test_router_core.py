@@ -15,7 +15,7 @@ from indexer.events import BlockStored, Event, EventBatch
 from indexer.index.memory import MemoryIndex
 from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
-from indexer.views import PrefixMatch, WorkerView
+from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.bench.simulator import SimConfig, simulate
 from kvrouter.bench.trace import PromptFactory, TraceRecord
 from kvrouter.bench.workloads import ChatWorkload, generate
@@ -24,13 +24,14 @@ from kvrouter.gateway.app import _load_models
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import HeldBlocks, Load, LoadTracker
 from kvrouter.gateway.metrics import RouterMetrics
+from kvrouter.gateway.pd import PdPlanner
 from kvrouter.gateway.routing import Router
 from kvrouter.policy_factory import build_policy
 from kvrouter.router_core import RouterCore, annotate_idle, overlay
-from policies.base import Decision, Policy, RouteRequest
+from policies.base import Decision, PlacingPolicy, Policy, RouteRequest
 from policies.cost_model import prefill_context
 from policies.kv_ttft import KvTtftPolicy
-from tests.policies.support import BLOCK, match, request, tokens, view
+from tests.policies.support import BLOCK, PROFILE, match, request, tokens, view
 
 MODEL = "tiny"
 #: Sessions cross prefixes in the trace below, so affinity overrules it now and then.
@@ -314,3 +315,33 @@ def test_matched_hbm_blocks_no_running_request_holds_are_marked_idle() -> None:
     held.hold(chain[:5])
     long = {"w0": PrefixMatch("w0", 8, (8, 0, 0))}
     assert annotate_idle(long, chain, {"w0": held}.get)["w0"].idle_hbm == 3
+
+
+def test_kv_ttft_remembers_the_worker_the_planner_moved_a_request_to() -> None:
+    # A prefill-only worker ``p`` and a decode-only ``d``, both idle. The policy sees
+    # ``p`` only (decode-only workers are not its candidates); the PD planner runs the
+    # cold prompt whole on the idle decoder instead (a split would add the transfer).
+    # The same prompt comes again before the index shows d's blocks: the policy must
+    # not think ``p`` computed it (its speculative prefix), or it predicts a cached
+    # prefill on ``p`` that ``p`` recomputes in full, and the planner splits on it.
+    p = replace(view("p"), role=Role.PREFILL)
+    d = replace(view("d"), role=Role.DECODE)
+    policy = build_policy("kv_ttft")
+    assert isinstance(policy, PlacingPolicy)
+    core = RouterCore(policy, planner=PdPlanner("auto", PROFILE))
+    prompt = tokens(1024, seed=7)
+    first = core.decide(request(prompt, now=0.0, rid="a"), [p, d], None, {})
+    assert first.decision.worker == "p"
+    assert first.plan is not None
+    assert (first.plan.disaggregate, first.plan.prefill) == (False, "d")
+    again = core.decide(request(prompt, now=0.01, rid="b"), [p, d], None, {})
+    assert again.decision.scores["p"]["cached_tokens"] == 0
+    assert again.decision.predicted_ttft_s == first.decision.predicted_ttft_s
+    assert again.plan is not None
+    assert (again.plan.disaggregate, again.plan.prefill) == (False, "d")
+    # Used alone, the policy records its own choice, as before.
+    alone = build_policy("kv_ttft")
+    alone.choose(request(prompt, now=0.0, rid="a"), [p], {})
+    assert (
+        alone.choose(request(prompt, now=0.01, rid="b"), [p], {}).scores["p"]["cached_tokens"] > 0
+    )
