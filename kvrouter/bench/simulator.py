@@ -512,8 +512,9 @@ class _Cluster:
         # free pool (and loads from DRAM and SSD) count as queued on the worker until its
         # first token.
         admission = admission_load(decision.scores.get(w.host, {}))
-        # As the gateway: a peer's prefix is pulled only onto the policy's own choice.
-        pooled = decision.kv_source if out.worker == decision.worker else None
+        # As the gateway: a peer's prefix is pulled only onto the policy's own choice, and
+        # only when it prefills there (not when the planner colocated on the decoder).
+        pooled = decision.kv_source if w.host == out.worker == decision.worker else None
         source = self.by_host.get(pooled or "")
         if source is not None and source is not w:
             have = len(w.pool.match_prefix(keys))
