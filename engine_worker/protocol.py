@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models, shared by the worker and the gateway.
 
-Only what kvrouter serves: completions and chat completions (n=1), SSE
-streaming, ``usage`` with ``prompt_tokens_details.cached_tokens`` plus our
-extension ``cached_tokens_by_medium``, and the PD extension
+Only what kvrouter serves: completions and chat completions (n=1; asking for
+``logprobs`` is a 400), SSE streaming, ``usage`` with
+``prompt_tokens_details.cached_tokens`` plus our extension
+``cached_tokens_by_medium``, and the PD extension
 ``kv_transfer_params``, and the gateway's ``tokenized_prompt`` (the prompt's token
 ids, so the worker does not tokenize it again). Unknown fields are ignored, as
 OpenAI's clients send many. Errors are OpenAI's shape:
@@ -34,6 +35,10 @@ __all__ = [
 #: Token ids are unsigned 32-bit on the wire and in block keys (DESIGN.md); any model's
 #: vocabulary is far smaller, and each server checks its own bound on top of this one.
 _TOKEN_ID_END = 2**32
+
+
+#: Asked for log probabilities, a client got ``"logprobs": null`` and no word why.
+_NO_LOGPROBS = "log probabilities are not supported: kvrouter's workers do not return them"
 
 
 def new_id(prefix: str) -> str:
@@ -117,6 +122,13 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError(_NO_LOGPROBS)
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _single_prompt(cls, v: Any) -> str | list[int]:
@@ -163,6 +175,15 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     add_generation_prompt: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v:
+            raise ValueError(_NO_LOGPROBS)
+        return v
 
     @model_validator(mode="after")
     def _max_tokens_alias(self) -> ChatCompletionRequest:

@@ -177,6 +177,37 @@ def test_bad_input_gets_openai_errors(
 
 
 @pytest.mark.parametrize(
+    ("path", "extra", "status"),
+    [
+        ("completions", {"logprobs": 2}, 400),
+        ("completions", {"logprobs": 0}, 400),
+        ("completions", {"logprobs": None}, 200),
+        ("chat/completions", {"logprobs": True}, 400),
+        ("chat/completions", {"top_logprobs": 3}, 400),
+        ("chat/completions", {"logprobs": False, "top_logprobs": None}, 200),
+    ],
+)
+def test_asking_for_logprobs_is_refused_not_answered_with_none(
+    cluster: Cluster, path: str, extra: dict[str, Any], status: int
+) -> None:
+    # The workers compute no log probabilities: a client that asks must hear so, not
+    # find "logprobs": null where it expected them.
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    body = {"model": MODEL, **prompt, "max_tokens": 2, **extra}
+    headers = {"authorization": "Bearer sk-test"}
+    r = httpx.post(f"{cluster.gateway}/v1/{path}", json=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 400:
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["param"] in extra
+        assert "log probabilities are not supported" in err["message"]
+    wait_unloaded(cluster)
+
+
+@pytest.mark.parametrize(
     ("content_type", "body", "status"),
     [
         (None, {"model": MODEL, "prompt": "hello", "max_tokens": 2}, 200),
