@@ -56,6 +56,7 @@ _LAID = (
     ("kv_active_blocks", "held_blocks"),
     ("queued_prefill_context", "queued_context"),
     ("queued_taken_blocks", "queued_taken"),
+    ("running", "running"),
 )
 #: The per-medium figures laid over a view's ``queued_load_blocks``: (medium, ``Load`` field).
 _LAID_LOADS = ((Medium.DRAM, "queued_dram"), (Medium.SSD, "queued_ssd"))
@@ -68,9 +69,11 @@ def overlay(
 
     Heartbeats lag by up to one interval; the router's counts of what it routed are
     current, so a burst routed since the last heartbeat is seen at once: its
-    requests in flight, the prompt tokens still to prefill, and the HBM blocks that
+    requests in flight, the prompt tokens still to prefill, the HBM blocks that
     the prompts already prefilled hold (``kv_active_blocks``, which a heartbeat taken
-    before they arrived shows empty).
+    before they arrived shows empty) and the requests decoding (``running``: the batch
+    every prefill chunk shares a step with; ``running_kv_tokens`` scaled with it, as a
+    mean per request).
 
     Where ``seen_of`` gives the router's counts as they were when a worker's
     heartbeat was taken, each term is the router's count now plus what the
@@ -92,6 +95,10 @@ def overlay(
             shown_as: _lay(getattr(v, shown_as), now, then, counted_as)
             for shown_as, counted_as in _LAID
         }
+        running = laid["running"]
+        assert isinstance(running, int)
+        if running != v.running and v.running > 0:
+            laid["running_kv_tokens"] = v.running_kv_tokens * running // v.running
         loads = {
             medium: n
             for medium, counted_as in _LAID_LOADS

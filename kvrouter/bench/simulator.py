@@ -288,6 +288,8 @@ class _Worker:
     queued: Load = field(default_factory=Load)
     #: The router's own count of the prompt blocks held here (first token to finish).
     tracked_held: HeldBlocks = field(default_factory=HeldBlocks)
+    #: The router's count of its requests past their first token and not finished.
+    tracked_running: int = 0
     #: Prompt tokens to prefill of the requests waiting here for a pulled prefix.
     pulling: int = 0
     role: Role = Role.BOTH
@@ -451,7 +453,10 @@ class _Cluster:
         """The router's own count of what it sent to ``host`` (overlaid on heartbeats)."""
         w = self.by_host[host]
         # The queued shares carry every queued figure; in flight and held are kept apart.
-        return replace(w.queued, in_flight=w.in_flight, held_blocks=len(w.tracked_held))
+        return replace(
+            w.queued, in_flight=w.in_flight, held_blocks=len(w.tracked_held),
+            running=w.tracked_running,
+        )  # fmt: skip
 
     def seen_of(self, view: WorkerView) -> Load | None:
         """The router's count for a worker when its last heartbeat was taken."""
@@ -656,8 +661,10 @@ class _Cluster:
                 rec.first_token_s = now
                 self.prefilled(w, req.request_id)
                 w.tracked_held.hold(self.prompt_keys[req.request_id])
+                w.tracked_running += 1
             if out.finished:
                 w.tracked_held.release(self.prompt_keys.pop(req.request_id))
+                w.tracked_running -= 1
                 rec.finish_s = now
                 rec.output_tokens = len(req.output_token_ids)
                 c = req.cached_tokens

@@ -12,7 +12,7 @@ share them through Redis *leases*::
     {p}:load:replicas            zset   replica -> lease expiry (ms)
     {p}:load:r:{replica}         hash   worker  -> "in_flight,queued_tokens,held_blocks,
                                                     queued_context,queued_taken,
-                                                    queued_dram,queued_ssd"
+                                                    queued_dram,queued_ssd,running"
                                                    (PEXPIRE lease)
 
 ``queued_context`` is the attention work of the queued tokens,
@@ -20,8 +20,10 @@ share them through Redis *leases*::
 pool, and ``queued_dram`` / ``queued_ssd`` those of them it brings up from
 DRAM / SSD (the admitting step pays their load), as a worker's heartbeat
 counts them (``queued_prefill_context``, ``queued_taken_blocks``,
-``queued_load_blocks``). A reader also accepts the two- to six-field forms of
-older replicas (the missing fields 0) during a rolling upgrade.
+``queued_load_blocks``). ``running`` counts the requests past their first
+token and not yet finished (the worker's decode batch, its heartbeat's
+``running``). A reader also accepts the two- to seven-field forms of older
+replicas (the missing fields 0) during a rolling upgrade.
 
 Every ``sync_interval_s`` a replica writes its absolute counts (never
 increments) and renews its lease, then reads the other live replicas'.
@@ -114,6 +116,8 @@ class Load:
     #: ``queued_load_blocks``).
     queued_dram: int = 0
     queued_ssd: int = 0
+    #: Requests past their first token and not finished: decoding (a view's ``running``).
+    running: int = 0
 
     def add(self, other: Load) -> None:
         """Accumulate ``other`` into this load."""
@@ -124,6 +128,7 @@ class Load:
         self.queued_taken += other.queued_taken
         self.queued_dram += other.queued_dram
         self.queued_ssd += other.queued_ssd
+        self.running += other.running
 
     def sub(self, other: Load) -> None:
         """Take ``other`` (accumulated before) out of this load."""
@@ -134,19 +139,20 @@ class Load:
         self.queued_taken -= other.queued_taken
         self.queued_dram -= other.queued_dram
         self.queued_ssd -= other.queued_ssd
+        self.running -= other.running
 
     def empty(self) -> bool:
         """Nothing counted."""
         return not any(
             (self.in_flight, self.queued_tokens, self.held_blocks, self.queued_context,
-             self.queued_taken, self.queued_dram, self.queued_ssd)
+             self.queued_taken, self.queued_dram, self.queued_ssd, self.running)
         )  # fmt: skip
 
     def pack(self) -> str:
         """The load-sharing wire form."""
         return (
             f"{self.in_flight},{self.queued_tokens},{self.held_blocks},{self.queued_context},"
-            f"{self.queued_taken},{self.queued_dram},{self.queued_ssd}"
+            f"{self.queued_taken},{self.queued_dram},{self.queued_ssd},{self.running}"
         )
 
     @classmethod
@@ -154,11 +160,11 @@ class Load:
         """Parse :meth:`pack`'s form (or an older replica's shorter one, from two fields).
 
         Raises:
-            ValueError: Not two to seven integers.
+            ValueError: Not two to eight integers.
         """
         fields = [int(x) for x in packed.split(b",")]
-        if not 2 <= len(fields) <= 7:
-            raise ValueError(f"load entry {packed!r}: expected 2 to 7 fields")
+        if not 2 <= len(fields) <= 8:
+            raise ValueError(f"load entry {packed!r}: expected 2 to 8 fields")
         return cls(*fields)
 
 
@@ -205,7 +211,7 @@ class Ticket:
         """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            self.tracker._add(self.worker, 0, unqueue=self.queued, hold=self.keys)
+            self.tracker._add(self.worker, 0, unqueue=self.queued, hold=self.keys, running=1)
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -213,7 +219,7 @@ class Ticket:
             return
         self.ended = True
         if self.prefilled:
-            self.tracker._add(self.worker, -1, release=self.keys)
+            self.tracker._add(self.worker, -1, release=self.keys, running=-1)
         else:
             self.tracker._add(self.worker, -1, unqueue=self.queued)
 
@@ -259,9 +265,11 @@ class LoadTracker:
     def _add(
         self, worker: str, in_flight: int, queue: Load | None = None,
         unqueue: Load | None = None, hold: Sequence[int] = (), release: Sequence[int] = (),
+        running: int = 0,
     ) -> None:  # fmt: skip
         load = self.local.setdefault(worker, Load())
         load.in_flight += in_flight
+        load.running += running
         if queue is not None:
             load.add(queue)
         if unqueue is not None:

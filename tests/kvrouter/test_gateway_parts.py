@@ -104,17 +104,18 @@ async def test_replicas_share_the_distinct_prompt_blocks_a_worker_holds_once_pre
     t2.first_byte()  # idempotent
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(2, 0, 5)
+    # Both past their first token: decoding, the batch a heartbeat taken before misses.
+    assert b.load("w0") == Load(2, 0, 5, running=2)
     # An older replica publishes two fields (held 0); a garbled entry is skipped.
     await publish_old(a, {"w0": "2,500", "w1": "x,y"})
     with caplog.at_level(logging.WARNING, logger="kvrouter.gateway.load"):
         await b.sync()
-    assert b.load("w0") == Load(4, 500, 5)
+    assert b.load("w0") == Load(4, 500, 5, running=2)
     assert b.load("w1") == Load()
     assert "replica old" in caplog.text
     t1.end()
     t1.end()  # idempotent
-    assert a.load("w0") == Load(1, 0, 3)  # t2's blocks, the shared prefix included
+    assert a.load("w0") == Load(1, 0, 3, running=1)  # t2's blocks, the shared prefix too
     t2.end()
     assert "w0" not in a.local
     assert "w0" not in a.held
@@ -142,11 +143,11 @@ async def test_replicas_share_the_attention_work_and_taken_blocks_of_what_they_q
     long.first_byte()
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(2, 100, 0, 100**2 // 2, 0)
+    assert b.load("w0") == Load(2, 100, 0, 100**2 // 2, 0, running=1)
     # Replicas of the versions before publish three or four fields.
     await publish_old(a, {"w0": "1,500,7", "w1": "1,10,0,50"})
     await b.sync()
-    assert b.load("w0") == Load(3, 600, 7, 100**2 // 2)
+    assert b.load("w0") == Load(3, 600, 7, 100**2 // 2, running=1)
     assert b.load("w1") == Load(1, 10, 0, 50, 0)
     short.end()
     long.end()
@@ -170,11 +171,12 @@ async def test_replicas_share_the_loads_from_dram_and_ssd_of_what_they_queued(
     ticket.first_byte()
     await a.sync()
     await b.sync()
-    assert b.load("w0") == Load(in_flight=1)  # in flight still, nothing queued
-    # A replica of the version before publishes five fields: no loads.
-    await publish_old(a, {"w1": "1,10,0,50,4"})
+    assert b.load("w0") == Load(in_flight=1, running=1)  # decoding, nothing queued
+    # Replicas of versions before publish five fields (no loads) or seven (no running).
+    await publish_old(a, {"w1": "1,10,0,50,4", "w2": "1,10,0,50,4,2,1"})
     await b.sync()
-    assert b.load("w1") == Load(1, 10, 0, 50, 4, 0, 0)
+    assert b.load("w1") == Load(1, 10, 0, 50, 4, 0, 0, 0)
+    assert b.load("w2") == Load(1, 10, 0, 50, 4, 2, 1, 0)
     ticket.end()
     assert "w0" not in a.local
 
@@ -251,7 +253,7 @@ async def test_each_new_heartbeat_is_dated_with_the_routers_counts_of_its_arriva
     assert load.seen_at(d.views["w"]) == Load(1, 4096, 0)
     await beat(t0 + 1)  # a worker clock ahead of ours: dated now
     await d.refresh()
-    assert load.seen_at(d.views["w"]) == Load(1, 0, 3)
+    assert load.seen_at(d.views["w"]) == Load(1, 0, 3, running=1)
     assert load.seen_at(first) is None  # an older heartbeat is not dated by a newer one
     ticket.end()
     # The worker leaves: its date goes with it.
@@ -286,7 +288,7 @@ def test_a_heartbeat_is_dated_by_its_age_not_by_when_discovery_saw_it() -> None:
     # anything was routed to its worker saw nothing counted.
     at(13.0)
     load.saw("w", 1_010.5)
-    assert load.seen_at(replace(view, ts=1_010.5)) == Load(1, 0, 3)
+    assert load.seen_at(replace(view, ts=1_010.5)) == Load(1, 0, 3, running=1)
     fresh = LoadTracker(wall=lambda: clock["wall"], mono=lambda: clock["mono"])
     late = fresh.begin("v", 100)
     fresh.saw("v", 1_012.0)  # taken before anything was routed to "v"

@@ -345,3 +345,36 @@ def test_kv_ttft_remembers_the_worker_the_planner_moved_a_request_to() -> None:
     assert (
         alone.choose(request(prompt, now=0.01, rid="b"), [p], {}).scores["p"]["cached_tokens"] > 0
     )
+
+
+def test_the_overlay_drops_decodes_that_ended_since_the_heartbeat() -> None:
+    # The heartbeat was taken while the router's 8 requests decoded there (16K tokens of
+    # KV); all have finished since. Every prefill chunk on it would be priced beside a
+    # batch of 8 for up to a heartbeat interval; laid over, the batch is gone.
+    heartbeat = view("w", in_flight=8, running=8, running_kv=8 * 2_048)
+    then = Load(in_flight=8, running=8)
+
+    def seen_of(v: WorkerView) -> Load | None:
+        return then
+
+    idle = overlay([heartbeat], lambda host: Load(), seen_of)[0]
+    assert (idle.in_flight, idle.running, idle.running_kv_tokens) == (0, 0, 0)
+    # Decodes the router did not send (another replica's: 2 beyond its 8) stay, their
+    # KV a mean share of the heartbeat's.
+    shared = replace(heartbeat, running=10, running_kv_tokens=10 * 2_048)
+    laid = overlay([shared], lambda host: Load(running=1), seen_of)[0]
+    assert (laid.running, laid.running_kv_tokens) == (1 + 2, 3 * 2_048)
+    # What kv_ttft predicts there: as on an idle worker, not beside a batch of 8.
+    prompt = request(tokens(2_048, seed=5))
+
+    def core() -> RouterCore:  # a fresh policy each time: no speculative entries
+        return RouterCore(KvTtftPolicy())
+
+    stale = core().decide(prompt, [heartbeat], None, {}).decision.predicted_ttft_s
+    dated = core().decide(prompt, [heartbeat], lambda h: Load(), {}, seen_of=seen_of)
+    fresh = core().decide(prompt, [view("w")], None, {})
+    alone = fresh.decision.predicted_ttft_s
+    assert alone is not None
+    assert dated.decision.predicted_ttft_s == alone
+    assert stale is not None
+    assert stale > alone
