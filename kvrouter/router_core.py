@@ -221,6 +221,11 @@ class RouterCore:
     ) -> None:
         self.policy = policy
         self.fallback = fallback or policy
+        # Whether each splits choose into score and commit, decided once: a runtime
+        # protocol check costs ~20 us, on every request.
+        self._placing = {
+            id(p): p if isinstance(p, PlacingPolicy) else None for p in (policy, self.fallback)
+        }
         self.affinity = affinity
         self.planner = planner
 
@@ -260,7 +265,7 @@ class RouterCore:
         if held_of is not None and matches:
             matches = annotate_idle(matches, request.block_keys, held_of)
         policy = self.policy if cache_aware else self.fallback
-        placing = policy if isinstance(policy, PlacingPolicy) else None
+        placing = self._placing[id(policy)]
         scored = None
         if placing is not None:
             scored = placing.score(request, candidates(laid), matches or {})
@@ -276,7 +281,8 @@ class RouterCore:
                 laid, worker, decision.predicted_ttft_s, request.num_tokens,
                 request.block_size, matches or {},
             )  # fmt: skip
-        if placing is not None and scored is not None:
+        if placing is not None:
+            assert scored is not None
             # The policy remembers the worker that prefills: its choice, or where affinity
             # or the planner (colocating on the decoder) sent the request instead.
             prefill = plan.prefill if plan is not None else worker

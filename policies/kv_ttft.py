@@ -180,7 +180,7 @@ class _KvScored(Scored):
     """What :meth:`KvTtftPolicy.commit` needs of a scoring."""
 
     request: RouteRequest
-    matches: dict[str, PrefixMatch]
+    matches: Mapping[str, PrefixMatch]
     views: dict[str, WorkerView]
     #: Per candidate: (matched, pulled, new) blocks and tokens as scored.
     blocks: dict[str, tuple[int, int, int]]
@@ -512,7 +512,7 @@ class KvTtftPolicy:
             matched_blocks=matched + pulled,
             kv_source=sources.get(best),
         )
-        return _KvScored(decision, request, dict(matches), views, blocks, home)
+        return _KvScored(decision, request, matches, views, blocks, home)
 
     def commit(self, scored: Scored, worker: str, ttft_s: float | None = None) -> None:
         """Record that the request of ``scored`` runs on ``worker``
