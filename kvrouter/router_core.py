@@ -37,6 +37,7 @@ __all__ = [
     "annotate_idle",
     "candidates",
     "overlay",
+    "prefill_tokens",
     "route_request",
 ]
 
@@ -181,6 +182,27 @@ def route_request(
         max_tokens=max_tokens,
         session_id=session_id,
     )
+
+
+def prefill_tokens(
+    decision: Decision, plan: PdPlan | None, num_tokens: int, block_size: int
+) -> dict[str, int]:
+    """Per worker the request may run on, the prompt tokens it would still prefill (the
+    router counts them as queued there until its first token).
+
+    The policy's choice: all but its matched blocks (a pull included); another scored
+    candidate (a retry, or where affinity sends it): all but its cached tokens; the
+    worker a colocated plan moved it to: all but what the plan says it has or pulls.
+    """
+    out = {
+        host: max(num_tokens - int(terms.get("cached_tokens", 0)), 1)
+        for host, terms in decision.scores.items()
+    }
+    out[decision.worker] = max(num_tokens - decision.matched_blocks * block_size, 1)
+    if plan is not None and not plan.disaggregate and plan.prefill != decision.worker:
+        planned = max(num_tokens - plan.matched_blocks * block_size, 1)
+        out[plan.prefill] = min(out.get(plan.prefill, planned), planned)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ __all__ = [
     "hbm_room_blocks",
     "load_seconds",
     "memory_wait_seconds",
+    "peer_pull_seconds",
     "peer_read_seconds",
     "prefill_context",
     "prefill_seconds",
@@ -273,6 +274,22 @@ def peer_read_seconds(
     ssd = min(match.on(Medium.SSD), blocks)
     dram = min(match.on(Medium.DRAM), blocks - ssd)
     return blocks_load_seconds(view, profile, {Medium.SSD: ssd, Medium.DRAM: dram}, block_size)
+
+
+def peer_pull_seconds(
+    view: WorkerView,
+    profile: TimingProfile,
+    peer: WorkerView,
+    peer_profile: TimingProfile,
+    peer_match: PrefixMatch,
+    blocks: int,
+    block_size: int,
+) -> float:
+    """Time for ``view``'s worker to pull the last ``blocks`` blocks of the prefix
+    ``peer`` holds (``peer_match``): :func:`pull_seconds`, no faster than the peer reads
+    them (:func:`peer_read_seconds`)."""
+    read = peer_read_seconds(peer, peer_profile, peer_match, blocks, block_size)
+    return pull_seconds(view, profile, blocks * block_size, read)
 
 
 def load_seconds(

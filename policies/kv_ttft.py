@@ -160,9 +160,8 @@ from policies.cost_model import (
     hbm_room_blocks,
     load_seconds,
     memory_wait_seconds,
-    peer_read_seconds,
+    peer_pull_seconds,
     prefill_seconds,
-    pull_seconds,
     queue_seconds,
     queued_load_seconds,
     resolve_profile,
@@ -405,14 +404,10 @@ class KvTtftPolicy:
                 # than its own loads would be (a peer outside these candidates, e.g. a
                 # decode worker while prefill workers are chosen, read at this one's pace).
                 peer = views.get(source, view)
-                read = peer_read_seconds(
-                    peer,
-                    resolve_profile(peer, self.default_profile),
-                    matches[source],
-                    pulled,
-                    request.block_size,
-                )
-                pull = pull_seconds(view, profile, pulled * request.block_size, read)
+                pull = peer_pull_seconds(
+                    view, profile, peer, resolve_profile(peer, self.default_profile),
+                    matches[source], pulled, request.block_size,
+                )  # fmt: skip
                 pooled_prefill = prefill_seconds(profile, pooled_new, pooled_cached, batch, kv)
                 pooled = wait + load + pull + pooled_prefill
                 if pooled < ttft:
@@ -519,9 +514,10 @@ class KvTtftPolicy:
         (:class:`~policies.base.PlacingPolicy`).
 
         On the policy's own choice this records what :meth:`choose` does. Elsewhere
-        (session affinity, or the PD planner colocating on a decoder) the worker
-        computes what it lacks itself, with no pull from a peer: that is what it is
-        credited with, at ``ttft_s`` (else the score's TTFT there, else the choice's).
+        (session affinity, or the PD planner colocating on a decoder) it is credited
+        with computing what it lacks, at ``ttft_s`` (else the score's TTFT there, else
+        the choice's); a pull the plan orders there is not remembered as landing later
+        (its blocks are speculated at once, as computed ones are).
         """
         assert isinstance(scored, _KvScored), "commit takes what this policy scored"
         request, keys, now = scored.request, scored.request.block_keys, scored.request.now

@@ -70,7 +70,7 @@ from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from kvrouter.gateway.affinity import SessionAffinity
 from kvrouter.gateway.load import HeldBlocks, Load, admission_load, queued_share
 from kvrouter.gateway.pd import PdMode, PdPlanner
-from kvrouter.router_core import CoreDecision, RouterCore, route_request
+from kvrouter.router_core import CoreDecision, RouterCore, prefill_tokens, route_request
 from policies.base import NoWorkerError, Policy
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
@@ -381,7 +381,11 @@ class _Cluster:
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
         self.next_beat = 0.0
-        planner = PdPlanner(config.pd, self.profile) if config.pd != "never" else None
+        planner = (
+            PdPlanner(config.pd, self.profile, pooling=bool(getattr(policy, "pooling", False)))
+            if config.pd != "never"
+            else None
+        )
         self.core = RouterCore(policy, affinity=SessionAffinity(), planner=planner)
         #: Prefill-only requests (PD) by request id: the hand-off waiting for each.
         self.handoffs: dict[str, _Transfer] = {}
@@ -501,6 +505,9 @@ class _Cluster:
         if w is None:
             raise SimulationError(f"policy {self.policy.name} chose unknown worker {decision}")
         predicted = decision.predicted_ttft_s
+        size = self.config.block_size
+        # As the gateway: what each worker would still prefill, counted as queued there.
+        todo = prefill_tokens(decision, plan, len(tokens), size)
         if plan is not None:
             if plan.disaggregate and plan.decode is not None:
                 self.records[i] = RequestRecord(
@@ -509,7 +516,8 @@ class _Cluster:
                 )  # fmt: skip
                 handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0)
                 self.handoffs[f"{rid}.p"] = handoff
-                self.admit(w, f"{rid}.p", tokens, keys, 1, decision.matched_blocks, i, now)
+                uncached = todo.get(w.host, len(tokens))
+                self.admit(w, f"{rid}.p", tokens, keys, 1, uncached, i, now)
                 return
             w = self.by_host[plan.prefill]
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
@@ -517,35 +525,41 @@ class _Cluster:
         # free pool (and loads from DRAM and SSD) count as queued on the worker until its
         # first token.
         admission = admission_load(decision.scores.get(w.host, {}))
-        # As the gateway: a peer's prefix is pulled only onto the policy's own choice, and
-        # only when it prefills there (not when the planner colocated on the decoder).
-        pooled = decision.kv_source if w.host == out.worker == decision.worker else None
+        # As the gateway: a peer's prefix is pulled onto the policy's own choice when it
+        # prefills there, as the policy priced it; onto the worker a colocated plan moved
+        # the request to, as the plan priced it.
+        pooled, priced = None, 0
+        if plan is not None and w.host != decision.worker:
+            pooled, priced = plan.kv_source, plan.matched_blocks
+        elif w.host == out.worker == decision.worker:
+            pooled, priced = decision.kv_source, decision.matched_blocks
         source = self.by_host.get(pooled or "")
         if source is not None and source is not w:
             have = len(w.pool.match_prefix(keys))
-            # The blocks the policy priced, as the gateway asks for (no more than it holds).
-            held = min(len(source.pool.match_prefix(keys)), decision.matched_blocks)
+            # The blocks priced, as the gateway asks for (no more than the source holds).
+            held = min(len(source.pool.match_prefix(keys)), priced)
             if held > have:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.
-                self.count(w, rid, len(tokens), held, i, keys, admission)
+                uncached = max(len(tokens) - held * size, 1)
+                self.count(w, rid, len(tokens), uncached, i, keys, admission)
                 w.pulling += self.unprefilled[rid].queued_tokens
                 pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
                 self.send(source, pull, now)
                 return
         self.admit(
-            w, rid, tokens, keys, rec.output_length, decision.matched_blocks, i, now,
+            w, rid, tokens, keys, rec.output_length, todo.get(w.host, len(tokens)), i, now,
             admission=admission,
         )  # fmt: skip
 
     def count(
-        self, w: _Worker, rid: str, tokens: int, matched_blocks: int, i: int, keys: list[int],
+        self, w: _Worker, rid: str, tokens: int, uncached: int, i: int, keys: list[int],
         admission: Load | None = None,
     ) -> None:  # fmt: skip
-        """Add a request to the router's own load count of ``w`` (released as it runs)."""
+        """Add a request to the router's own load count of ``w`` (released as it runs):
+        ``uncached`` of its ``tokens`` prompt tokens still to prefill."""
         self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
-        uncached = max(tokens - matched_blocks * self.config.block_size, 1)
         queued = queued_share(uncached, tokens, admission)
         w.queued.add(queued)
         self.unprefilled[rid] = queued
@@ -559,18 +573,18 @@ class _Cluster:
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
-        matched_blocks: int, i: int, now: float, counted: bool = False,
+        uncached: int, i: int, now: float, counted: bool = False,
         admission: Load | None = None,
     ) -> None:  # fmt: skip
-        """Queue a request on ``w`` (counting its load unless ``counted``); an idle worker
-        starts a step."""
+        """Queue a request on ``w`` (counting its load, ``uncached`` prompt tokens to
+        prefill, unless ``counted``); an idle worker starts a step."""
         cfg = self.config
         sampling = SamplingParams(max_tokens=output, ignore_eos=True)
         request = Request(rid, tokens, sampling, self.root, cfg.block_size, arrival=now)
         request.keys = keys
         w.scheduler.add(request)
         if not counted:
-            self.count(w, rid, len(tokens), matched_blocks, i, keys, admission)
+            self.count(w, rid, len(tokens), uncached, i, keys, admission)
         if w.step is None:
             self.start_step(w, now)
 
@@ -612,8 +626,9 @@ class _Cluster:
         if t.counted:
             w.pulling -= self.unprefilled[f"r{t.index}"].queued_tokens
         output = self.trace[t.index].output_length
+        uncached = max(len(t.tokens) - t.held * self.config.block_size, 1)
         self.admit(
-            w, f"r{t.index}", t.tokens, t.keys, output, t.held, t.index, now, counted=t.counted
+            w, f"r{t.index}", t.tokens, t.keys, output, uncached, t.index, now, counted=t.counted
         )
 
     def start_step(self, w: _Worker, now: float) -> None:

@@ -53,6 +53,7 @@ from kvrouter.gateway.settings import RouterSettings
 from kvrouter.gateway.upstream import HttpPool, UpstreamError
 from kvrouter.logs import request_id_var
 from kvrouter.policy_factory import build_policy
+from kvrouter.router_core import prefill_tokens as prefill_tokens_of
 
 __all__ = ["create_app"]
 
@@ -157,7 +158,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         if settings.replica_id:
             load.replica_id = settings.replica_id
         directory.on_view = load.saw
-        planner = PdPlanner(settings.pd, default_profile())
+        planner = PdPlanner(settings.pd, default_profile(), pooling=settings.pooling)
         affinity = SessionAffinity(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         router = Router(
             models=models,
@@ -446,7 +447,9 @@ async def _open(
     raw.pop("tokenized_prompt", None)
     if (sent := gw.router.tokenized_prompt(body, routed.ids)) is not None:
         raw["tokenized_prompt"] = sent
-    prefill_tokens = _prefill_tokens(routed)
+    prefill_tokens = prefill_tokens_of(
+        routed.decision, plan, routed.prompt_tokens, routed.request.block_size
+    )
     prefilled_on = prefill_cached = None
     if plan is not None and plan.disaggregate and plan.decode is not None:
         handed = await _prefill_elsewhere(
@@ -456,9 +459,15 @@ async def _open(
             raw["kv_transfer_params"], prefill_cached, prefilled_on = handed
         others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
         candidates = [plan.decode, *others]
-    elif plan is not None and plan.prefill != worker:
+    elif plan is not None and plan.prefill != routed.decision.worker:
+        # Colocated elsewhere than the policy's choice (on the decoder, or where affinity
+        # sent it): the plan priced that worker, and any pull from a peer it makes.
         candidates = [plan.prefill, *[h for h in candidates if h != plan.prefill]]
-    elif worker == routed.decision.worker and (pool := _pool_params(gw, routed)):
+        if pool := _pool_params(gw, plan.kv_source, routed, plan.matched_blocks):
+            raw["kv_transfer_params"] = pool
+    elif worker == routed.decision.worker and (
+        pool := _pool_params(gw, routed.decision.kv_source, routed, routed.decision.matched_blocks)
+    ):
         raw["kv_transfer_params"] = pool
     up = await gw.dispatcher.open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
@@ -627,13 +636,15 @@ def _cached_by_medium(answer: dict[str, Any]) -> dict[str, int]:
         return {}
 
 
-def _pool_params(gw: Gateway, routed: Routed) -> dict[str, Any] | None:
-    """``kv_transfer_params`` that make the chosen worker pull the policy's ``kv_source``."""
-    source = routed.decision.kv_source
+def _pool_params(
+    gw: Gateway, source: str | None, routed: Routed, blocks: int
+) -> dict[str, Any] | None:
+    """``kv_transfer_params`` that make the worker pull the prompt's first ``blocks``
+    blocks from ``source`` (None: no pull)."""
     view = gw.directory.views.get(source) if source else None
     if view is None or not view.url:
         return None
-    keys = list(routed.request.block_keys[: routed.decision.matched_blocks])
+    keys = list(routed.request.block_keys[:blocks])
     gw.metrics.pooled_pulls.inc()
     return {
         "do_remote_prefill": True,
@@ -641,16 +652,6 @@ def _pool_params(gw: Gateway, routed: Routed) -> dict[str, Any] | None:
         **remote_address(view.url),
         "remote_block_ids": keys,
     }
-
-
-def _prefill_tokens(routed: Routed) -> dict[str, int]:
-    """Per candidate, the prompt tokens it would still prefill (its cached ones off)."""
-    out = {}
-    for host, terms in routed.decision.scores.items():
-        cached = int(terms.get("cached_tokens", 0))
-        out[host] = max(routed.prompt_tokens - cached, 1)
-    out[routed.decision.worker] = routed.uncached_tokens()
-    return out
 
 
 def _admission(routed: Routed) -> dict[str, Load]:

@@ -40,6 +40,8 @@ from policies.cost_model import (
     DEFAULT_TRANSFER_BANDWIDTH,
     decode_batch,
     decode_stall_seconds,
+    hbm_room_blocks,
+    peer_pull_seconds,
     prefill_seconds,
     pull_seconds,
     queue_seconds,
@@ -63,6 +65,10 @@ class PdPlan:
         reason: ``never``, ``always``, ``no_decode_worker``, ``cheaper_local`` or
             ``cheaper_split``.
         predicted: The figures compared (seconds), for the decision header.
+        matched_blocks: Colocated: the prompt's blocks ``prefill`` has cached or pulls
+            (what it does not prefill).
+        kv_source: Colocated: the peer ``prefill`` pulls those blocks from (None: it
+            computes what it lacks).
     """
 
     disaggregate: bool
@@ -70,6 +76,8 @@ class PdPlan:
     decode: str | None
     reason: str
     predicted: dict[str, float] = field(default_factory=dict)
+    matched_blocks: int = 0
+    kv_source: str | None = None
 
     def header(self) -> dict[str, object]:
         """The ``pd`` part of the decision header."""
@@ -79,6 +87,7 @@ class PdPlan:
             "decode": self.decode,
             "reason": self.reason,
             "predicted_s": self.predicted,
+            "kv_source": self.kv_source,
         }
 
 
@@ -94,10 +103,15 @@ class PdPlanner:
         mode: PdMode,
         default_profile: TimingProfile | None = None,
         mean_decode_context: int = 2048,
+        *,
+        pooling: bool = False,
+        mean_output_tokens: int = 256,
     ) -> None:
         self.mode = mode
         self.default_profile = default_profile
         self.mean_decode_context = mean_decode_context
+        self.pooling = pooling
+        self.mean_output_tokens = mean_output_tokens
 
     def decoder(
         self, workers: Sequence[WorkerView], prefill: str, matches: Mapping[str, PrefixMatch]
@@ -132,47 +146,123 @@ class PdPlanner:
             return PdPlan(True, prefill, decode.host, "always")
         # Colocated options: the whole request on the decode worker, or on the policy's
         # choice when that one decodes too (role both).
-        options: dict[str, float] = {}
+        options: dict[str, _Local] = {}
         predicted: dict[str, float] = {}
         by_host = {v.host: v for v in workers}
         for label, view in (("decode", decode), ("prefill", by_host.get(prefill))):
             if view is None or (view.role is not Role.BOTH and label == "prefill"):
                 continue
-            ttft, stall = self._local(view, num_tokens, block_size, matches)
-            predicted[f"{label}_local_ttft"] = ttft
-            predicted[f"{label}_local_decode_stall"] = stall
-            options[view.host] = ttft + stall
+            local = options[view.host] = self._local(view, num_tokens, block_size, matches, by_host)
+            predicted[f"{label}_local_ttft"] = local.ttft
+            predicted[f"{label}_local_decode_stall"] = local.stall
+            if local.source is not None:
+                predicted[f"{label}_local_pull"] = local.pull
         profile = resolve_profile(decode, self.default_profile)
         cached = self._cached(decode, num_tokens, block_size, matches)
         transfer = pull_seconds(decode, profile, max(num_tokens - cached, 0))
         # The prefill worker stalls its own decodes too (none on a prefill-only worker).
         prefill_view = by_host.get(prefill)
-        stall = self._local(prefill_view, num_tokens, block_size, matches)[1] if prefill_view else 0
+        stall = (
+            self._local(prefill_view, num_tokens, block_size, matches, by_host).stall
+            if prefill_view
+            else 0.0
+        )
         split = (prefill_ttft_s or 0.0) + transfer + stall
         predicted["split_prefill_ttft"] = prefill_ttft_s or 0.0
         predicted["split_transfer"] = transfer
         predicted["split_decode_stall"] = stall
-        local = min(options, key=options.__getitem__)
-        if split < options[local]:
+        host = min(options, key=lambda h: options[h].cost)
+        if split < options[host].cost:
             return PdPlan(True, prefill, decode.host, "cheaper_split", predicted)
-        return PdPlan(False, local, None, "cheaper_local", predicted)
+        best = options[host]
+        return PdPlan(
+            False, host, None, "cheaper_local", predicted, best.matched, best.source
+        )  # fmt: skip
 
     def _cached(
         self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
     ) -> int:
-        match = matches.get(view.host)
-        matched = min(match.blocks, -(-num_tokens // block_size)) if match is not None else 0
+        matched = self._matched(view.host, num_tokens, block_size, matches)
         return split_prompt(num_tokens, matched, block_size)[0]
 
+    @staticmethod
+    def _matched(
+        host: str, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
+    ) -> int:
+        match = matches.get(host)
+        return min(match.blocks, -(-num_tokens // block_size)) if match is not None else 0
+
     def _local(
-        self, view: WorkerView, num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch]
-    ) -> tuple[float, float]:
-        """(TTFT, stall its prefill imposes on the running decodes) of the request on ``view``."""
+        self,
+        view: WorkerView,
+        num_tokens: int,
+        block_size: int,
+        matches: Mapping[str, PrefixMatch],
+        by_host: Mapping[str, WorkerView],
+    ) -> _Local:
+        """The request colocated on ``view``: its TTFT, the stall its prefill imposes on
+        the running decodes, and the pull from a peer where pooling makes it cheaper."""
         profile = resolve_profile(view, self.default_profile)
-        cached = self._cached(view, num_tokens, block_size, matches)
-        new = num_tokens - cached
+        matched = self._matched(view.host, num_tokens, block_size, matches)
         batch, kv = decode_batch(view, self.mean_decode_context)
         queued = view.queued_prefill_tokens
-        ttft = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
-        ttft += prefill_seconds(profile, new, cached, batch, kv)
-        return ttft, batch * decode_stall_seconds(profile, new, cached, batch, kv)
+        wait = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
+
+        def option(blocks: int, pull: float, source: str | None) -> _Local:
+            cached, new = split_prompt(num_tokens, blocks, block_size)
+            ttft = wait + pull + prefill_seconds(profile, new, cached, batch, kv)
+            stall = batch * decode_stall_seconds(profile, new, cached, batch, kv)
+            return _Local(ttft, stall, blocks, source, pull)
+
+        best = option(matched, 0.0, None)
+        if self.pooling:
+            peer, held = self._holder(view.host, num_tokens, block_size, matches, by_host)
+            output = view.mean_output_tokens or self.mean_output_tokens
+            room = hbm_room_blocks(view, block_size, output)
+            pulled = held - matched if room is None else min(held - matched, max(int(room), 0))
+            if peer is not None and pulled > 0:
+                source = by_host[peer]
+                pull = peer_pull_seconds(
+                    view, profile, source, resolve_profile(source, self.default_profile),
+                    matches[peer], pulled, block_size,
+                )  # fmt: skip
+                pooled = option(matched + pulled, pull, peer)
+                if pooled.cost < best.cost:
+                    best = pooled
+        return best
+
+    def _holder(
+        self,
+        host: str,
+        num_tokens: int,
+        block_size: int,
+        matches: Mapping[str, PrefixMatch],
+        by_host: Mapping[str, WorkerView],
+    ) -> tuple[str | None, int]:
+        """The routable worker other than ``host`` holding the longest prefix (then by
+        name), and its blocks."""
+        held = [
+            (-self._matched(h, num_tokens, block_size, matches), h)
+            for h in matches
+            if h != host and h in by_host
+        ]
+        if not held:
+            return None, 0
+        blocks, peer = min(held)
+        return peer, -blocks
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    """A colocated option: TTFT, the stall on its running decodes, the prompt's blocks
+    it has or pulls, and the peer it pulls from (None: none) at ``pull`` seconds."""
+
+    ttft: float
+    stall: float
+    matched: int
+    source: str | None
+    pull: float
+
+    @property
+    def cost(self) -> float:
+        return self.ttft + self.stall

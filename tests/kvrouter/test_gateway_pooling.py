@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -25,17 +26,17 @@ from tests.support.cluster import Cluster, run_cluster, run_ingester
 BLOCK = 16
 PREFIX = list(range(1000, 1000 + 64 * BLOCK))  # 64 full blocks
 DEBUG = {"x-kvrouter-debug": "1"}
+#: Modeled steps 20x slower than the H100 profile: a few direct long prompts keep a
+#: worker's prefill queue full for seconds, long enough to route around it.
+SLOW = {"runner": "sim", "time_scale": 20.0, "hbm_blocks": 1024, "dram_blocks": 0,
+        "max_model_len": 4096, "max_num_batched_tokens": 512}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_server: Any) -> Iterator[Cluster]:
     redis_server.start()
     sync_redis.Redis.from_url(redis_server.url).flushall()
-    # Modeled steps 20x slower than the H100 profile: a few direct long prompts keep a
-    # worker's prefill queue full for seconds, long enough to route around it.
-    worker = {"runner": "sim", "time_scale": 20.0, "hbm_blocks": 1024, "dram_blocks": 0,
-              "max_model_len": 4096, "max_num_batched_tokens": 512}  # fmt: skip
-    with run_ingester(redis_server.url), run_cluster(redis_server.url, worker=worker) as c:
+    with run_ingester(redis_server.url), run_cluster(redis_server.url, worker=SLOW) as c:
         yield c
 
 
@@ -52,22 +53,12 @@ async def match(redis_url: str, keys: list[int]) -> dict[str, PrefixMatch]:
         await index.close()
 
 
-def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Cluster) -> None:
-    first = complete(cluster.gateway, [*PREFIX, 7, 8, 9], DEBUG)
-    assert first.status_code == 200, first.text
-    holder = first.headers["x-kvrouter-worker"]
-    (other,) = set(cluster.workers) - {holder}
-    keys = block_keys(PREFIX, BLOCK, root_parent("tiny"))
-
-    def indexed() -> bool:
-        matches = asyncio.run(match(cluster.redis_url, keys))
-        return holder in matches and matches[holder].blocks == len(keys)
-
-    wait_until(indexed, 20.0)
-    # Keep the holder busy with long prompts sent to it directly, and wait until its
-    # heartbeat shows the queue the gateway will route around.
+@contextmanager
+def busy(cluster: Cluster, host: str) -> Iterator[None]:
+    """Keep worker ``host`` busy with long prompts sent to it directly, until the
+    gateway has seen its queue in a heartbeat."""
     load = [
-        threading.Thread(target=complete, args=(cluster.workers[holder], list(range(s, s + 3000))))
+        threading.Thread(target=complete, args=(cluster.workers[host], list(range(s, s + 3000))))
         for s in (20_000, 30_000, 40_000)
     ]
     for t in load:
@@ -76,14 +67,38 @@ def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Clust
 
         def queued() -> bool:
             views = asyncio.run(cluster_views(cluster.redis_url))
-            return any(v.host == holder and v.queued_prefill_tokens > 3000 for v in views)
+            return any(v.host == host and v.queued_prefill_tokens > 3000 for v in views)
 
         wait_until(queued, 20.0)
         # Redis shows the queue; the test cluster's gateway reads heartbeats every 0.1 s.
         # Give it ten to see the queue too (which lasts seconds at this time scale): routed
         # before that, the request finds the holder idle and stays with its prefix.
         time.sleep(1.0)
-        assert queued(), "the holder's queue drained before the gateway could see it"
+        assert queued(), f"{host}'s queue drained before the gateway could see it"
+        yield
+    finally:
+        for t in load:
+            t.join()
+
+
+def wait_indexed(cluster: Cluster, host: str, keys: list[int]) -> None:
+    """Wait until the index shows ``host`` holding all of ``keys``."""
+
+    def indexed() -> bool:
+        matches = asyncio.run(match(cluster.redis_url, keys))
+        return host in matches and matches[host].blocks == len(keys)
+
+    wait_until(indexed, 20.0)
+
+
+def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Cluster) -> None:
+    first = complete(cluster.gateway, [*PREFIX, 7, 8, 9], DEBUG)
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-kvrouter-worker"]
+    (other,) = set(cluster.workers) - {holder}
+    keys = block_keys(PREFIX, BLOCK, root_parent("tiny"))
+    wait_indexed(cluster, holder, keys)
+    with busy(cluster, holder):
         received = metric(cluster.workers[other], "kvworker_kv_transfer_blocks_total",
                           'direction="received"')  # fmt: skip
         r = complete(cluster.gateway, [*PREFIX, 4, 5, 6], DEBUG)
@@ -102,6 +117,3 @@ def test_a_prefix_held_by_a_busy_worker_is_pulled_to_the_idle_one(cluster: Clust
                        'direction="received"')  # fmt: skip
         assert after - received == len(keys)
         assert metric(cluster.gateway, "kvrouter_pooled_pulls_total") >= 1
-    finally:
-        for t in load:
-            t.join()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
+from indexer.media import Medium
 from indexer.views import Role, WorkerView
 from kvrouter.gateway.load import Load
 from kvrouter.gateway.pd import DEFAULT_TRANSFER_BANDWIDTH, PdPlanner
 from kvrouter.policy_factory import build_policy
-from kvrouter.router_core import RouterCore
+from kvrouter.router_core import RouterCore, prefill_tokens
 from tests.policies.support import BLOCK, PROFILE, match, request, tokens, view
 
 
@@ -98,3 +99,53 @@ def test_a_short_remainder_stays_on_the_decoding_worker_that_holds_the_prefix() 
     stall = plan.predicted["prefill_local_decode_stall"]
     assert 0 < stall < PROFILE.prefill[0] / 10
     assert plan.predicted["prefill_local_ttft"] < plan.predicted["decode_local_ttft"] / 1.5
+
+
+def test_with_pooling_the_decoder_pulls_the_prefix_a_busy_worker_holds() -> None:
+    # The policy's choice ("both") holds the whole 8K-token prompt but has 64K tokens of
+    # prefill queued; the decoder is idle and cold. Colocating on the decoder wins either
+    # way; with pooling it pulls the prefix instead of computing it, and the plan says so.
+    prompt = 8192
+    both = replace(view("b", queued=65_536, queued_context=65_536), role=Role.BOTH)
+    workers = [both, decode_view("d")]
+    held = {"b": match("b", hbm=prompt // BLOCK)}
+    ttft = PROFILE.prefill_seconds(65_536) + PROFILE.prefill_seconds(1, prompt - 1)
+    alone = planner().plan(workers, "b", ttft, prompt, BLOCK, held)
+    pooled = PdPlanner("auto", PROFILE, pooling=True).plan(workers, "b", ttft, prompt, BLOCK, held)
+    assert (alone.disaggregate, alone.prefill, alone.kv_source, alone.matched_blocks) == (
+        False, "d", None, 0,
+    )  # fmt: skip
+    assert (pooled.disaggregate, pooled.prefill, pooled.kv_source) == (False, "d", "b")
+    assert pooled.matched_blocks == prompt // BLOCK
+    assert pooled.header()["kv_source"] == "b"
+    # The pull at the default transfer bandwidth, then one token to prefill: far below
+    # computing 8K tokens.
+    pull = prompt * PROFILE.kv_bytes_per_token / DEFAULT_TRANSFER_BANDWIDTH
+    assert pooled.predicted["decode_local_pull"] == pytest.approx(pull)
+    assert pooled.predicted["decode_local_ttft"] < alone.predicted["decode_local_ttft"] / 2
+    # A decoder whose HBM has room for 100 blocks pulls no more than those.
+    tight = replace(decode_view("d"), kv_capacity_blocks={Medium.HBM: 100})
+    capped = PdPlanner("auto", PROFILE, pooling=True, mean_output_tokens=0).plan(
+        [both, tight], "b", ttft, prompt, BLOCK, held
+    )
+    assert (capped.prefill, capped.kv_source, capped.matched_blocks) == ("d", "b", 100)
+
+
+def test_the_router_counts_what_the_worker_the_plan_moved_a_request_to_prefills() -> None:
+    # The plan colocates on the decode-only worker, which the policy never scored: the
+    # router's queued count there is what it computes (all of it, or all but what it
+    # pulls), not nothing, or the next request sees that worker idle.
+    prompt = 8192
+    both = replace(view("b", queued=65_536, queued_context=65_536), role=Role.BOTH)
+    held = {"b": match("b", hbm=prompt // BLOCK)}
+    req = request(tokens(prompt, seed=3))
+    for pooling, todo in ((False, prompt), (True, 1)):
+        core = RouterCore(
+            build_policy("kv_ttft"), planner=PdPlanner("auto", PROFILE, pooling=pooling)
+        )
+        out = core.decide(req, [both, decode_view("d")], None, held)
+        assert out.plan is not None
+        assert (out.decision.worker, out.plan.prefill) == ("b", "d")
+        counts = prefill_tokens(out.decision, out.plan, prompt, BLOCK)
+        assert counts["d"] == todo
+        assert counts["b"] == 1

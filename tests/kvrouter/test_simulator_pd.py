@@ -9,10 +9,12 @@ import pytest
 
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
+from kvrouter.bench import simulator
 from kvrouter.bench.report import RequestRecord, goodput_rps, summarize
 from kvrouter.bench.simulator import SimConfig, SimResult, simulate
 from kvrouter.bench.trace import TraceRecord
 from kvrouter.bench.workloads import GroupsWorkload, generate
+from kvrouter.gateway.pd import PdPlan, PdPlanner
 from kvrouter.policy_factory import build_policy
 from policies.base import Decision, RouteRequest
 
@@ -206,3 +208,39 @@ def test_goodput_counts_requests_within_both_slos() -> None:
     # TTFT <= 0.2 s and TPOT <= 0.1 s: requests 0 and 3 (one token: no TPOT); 4.1 s long.
     assert goodput_rps(records, 0.2, 0.1) == pytest.approx(2 / 4.1)
     assert goodput_rps([], 0.2, 0.1) == 0.0
+
+
+def test_the_worker_a_colocated_plan_moves_a_request_to_pulls_what_the_plan_priced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The policy runs everything on w0 (the only worker taking whole requests); a scripted
+    # plan moves the third request onto the decode worker d0, pulling w0's copy of the
+    # 4,096-token prefix, as the gateway asks d0 to. The replay pulls it and counts what
+    # d0 still prefills.
+    class MoveThird(PdPlanner):
+        def plan(
+            self, workers: Sequence[WorkerView], prefill: str, prefill_ttft_s: float | None,
+            num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch],
+        ) -> PdPlan:  # fmt: skip
+            if num_tokens != 4096 + 512:
+                return PdPlan(False, prefill, None, "cheaper_local")
+            held = matches["w0"].blocks
+            return PdPlan(False, "d0", None, "cheaper_local", {}, held, "w0")
+
+    monkeypatch.setattr(simulator, "PdPlanner", MoveThird)
+    trace = [
+        TraceRecord(0.0, 4096, 8, list(range(8))),
+        TraceRecord(1000.0, 64, 8, [500]),
+        TraceRecord(2000.0, 4096 + 512, 8, [*range(8), 99]),
+    ]
+    config = dataclasses.replace(
+        BASE, workers=1, decode_workers=1, pd="auto", transfer_bandwidth=1e9
+    )
+    result = run(trace, config)
+    moved = result.records[2]
+    assert (moved.worker, moved.prefill_worker) == ("d0", None)
+    assert moved.cached_tokens[0] == 4096  # pulled, not computed
+    assert moved.ttft_s is not None
+    assert moved.ttft_s > 4096 * config.effective_profile().kv_bytes_per_token / 1e9
+    assert set(result.in_use_blocks.values()) == {0}
+    assert result.index_entries == result.cached_blocks

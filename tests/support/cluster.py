@@ -6,7 +6,7 @@ tests that must SIGKILL a worker use :class:`tests.support.servers.ServerProcess
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,14 +57,17 @@ def run_cluster(
     gateway: dict[str, Any] | None = None,
     worker: dict[str, Any] | None = None,
     static: bool = False,
+    roles: Sequence[str] = (),
 ) -> Iterator[Cluster]:
-    """Start ``workers`` tiny workers and a gateway; yields the cluster."""
+    """Start ``workers`` tiny workers and a gateway; yields the cluster. Worker ``wi`` has
+    role ``roles[i]`` where given (else ``both``)."""
     with ExitStack() as stack:
         urls: dict[str, str] = {}
         for i in range(workers):
             name = f"w{i}"
             port = free_port()
-            settings = worker_settings(name, port, redis_url, **(worker or {}))
+            role = {"role": roles[i]} if i < len(roles) else {}
+            settings = worker_settings(name, port, redis_url, **{**(worker or {}), **role})
             urls[name] = stack.enter_context(serve_app(create_worker_app(settings), port=port))
         gw_port = free_port()
         gw_settings = RouterSettings(
