@@ -20,6 +20,7 @@ per second meeting both ``--ttft-slo`` and ``--tpot-slo`` (DistServe's
 definition).
 
     python -m kvrouter.bench.pd_bench pd --jobs 2
+    python -m kvrouter.bench.pd_bench pd --capacity 4.8 --only auto,auto+pooling
     python -m kvrouter.bench.pd_bench pooling --jobs 2
 
 ``pooling`` replays the suite's ``conversation`` workload (sessions whose
@@ -119,11 +120,20 @@ def main(
         str, typer.Option(help="always-PD split P/D, or 'search': the best goodput per load")
     ] = "search",
     workload: Annotated[str, typer.Option(help="documents | long")] = "documents",
+    capacity: Annotated[
+        float, typer.Option(help="Capacity in req/s the loads are fractions of (0: measure it)")
+    ] = 0.0,
+    only: Annotated[
+        str, typer.Option(help="Comma-separated arrangements to replay (default: all)")
+    ] = "",
 ) -> None:
     """Replay every arrangement at every load and print the comparison."""
+    names = [n for n in only.split(",") if n] or list(ARRANGEMENTS)
+    if unknown := set(names) - set(ARRANGEMENTS):
+        raise typer.BadParameter(f"unknown arrangements {sorted(unknown)}", param_hint="--only")
     trace = generate(WORKLOADS[workload], seed)
     span = (trace[-1].timestamp - trace[0].timestamp) / 1e3
-    capacity = measure_capacity(trace, SimConfig(seed=seed))
+    capacity = capacity or measure_capacity(trace, SimConfig(seed=seed))
     natural = len(trace) / span
     fractions = [float(x) for x in loads.split(",") if x]
     if split == "search":
@@ -137,13 +147,13 @@ def main(
                 _cell, name, f, f * capacity / natural, seed, ttft_slo, tpot_slo, sp, workload
             )
             for f in fractions
-            for name in ARRANGEMENTS
+            for name in names
             for sp in (splits if name == "always" else [None])
         }
         results = {k: fut.result() for k, fut in futures.items()}
     rows = []
     for f in fractions:
-        for name in ARRANGEMENTS:
+        for name in names:
             cells = [r for (load, n, _), r in results.items() if load == f and n == name]
             rows.append(max(cells, key=lambda r: float(r["goodput"])))
     table = Table(
