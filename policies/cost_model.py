@@ -41,6 +41,7 @@ __all__ = [
     "reload_seconds",
     "resolve_profile",
     "split_prompt",
+    "step_residual_seconds",
 ]
 
 
@@ -198,6 +199,22 @@ def memory_wait_seconds(
     completions = math.ceil(excess * running / held)
     wasted = profile.prefill_seconds(min(new_tokens, max(int(free), 0) * block_size))
     return completions * turnover / running + wasted
+
+
+def step_residual_seconds(
+    profile: TimingProfile, queued_tokens: int, decode_batch: int, decode_kv_tokens: int
+) -> float:
+    """Expected wait for the decode step a worker is running to end, before a new
+    request's first chunk can join the next one.
+
+    A worker only decoding (no prefill queued) is mid-step when a request arrives:
+    on average half a decode step remains (steps of near-constant length). With prefill
+    queued, the step in progress is one of the queue's chunks, which
+    :func:`queue_seconds` counts whole; an idle worker starts at once.
+    """
+    if queued_tokens > 0 or decode_batch <= 0:
+        return 0.0
+    return profile.decode_seconds(decode_batch, decode_kv_tokens) / 2
 
 
 def prefill_seconds(

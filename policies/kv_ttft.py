@@ -16,7 +16,10 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   their chunk (``queued_prefill_context``): a queued 100K-token prompt costs
   several times its token count (``policies.cost_model``), plus bringing up the
   queue's cached DRAM and SSD blocks (``queued_load_blocks``), which the step
-  admitting each request pays before any of it is computed;
+  admitting each request pays before any of it is computed; on a worker only
+  decoding, the rest of the decode step in progress (half a step on average,
+  ``step_residual_seconds``), which a new request waits out before its chunk
+  joins the next step;
 * ``memory``: what the new prompt loses when it does not fit in ``w``'s HBM
   beside what running and queued requests hold and will grow into
   (``memory_wait_seconds``): a vLLM-style scheduler admits it, preempts it when
@@ -166,6 +169,7 @@ from policies.cost_model import (
     queued_load_seconds,
     resolve_profile,
     split_prompt,
+    step_residual_seconds,
 )
 from policies.homes import HomeDemand
 from policies.live_cache import LiveCache
@@ -381,6 +385,7 @@ class KvTtftPolicy:
                 view.queued_prefill_context,
             )
             queue += queued_load_seconds(view, profile)
+            queue += step_residual_seconds(profile, view.queued_prefill_tokens, batch, kv)
             # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
             # request holds them: the router's annotation), leave the room it is priced on.
             lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0

@@ -11,6 +11,7 @@ from kvrouter.gateway.load import Load
 from kvrouter.gateway.pd import DEFAULT_TRANSFER_BANDWIDTH, PdPlanner
 from kvrouter.policy_factory import build_policy
 from kvrouter.router_core import RouterCore, prefill_tokens
+from policies.cost_model import prefill_seconds, step_residual_seconds
 from tests.policies.support import BLOCK, PROFILE, match, request, tokens, view
 
 
@@ -93,12 +94,19 @@ def test_a_short_remainder_stays_on_the_decoding_worker_that_holds_the_prefix() 
     both = replace(view("b", running=4, running_kv=4 * 512), role=Role.BOTH)
     workers = [both, decode_view("d")]
     held = {"b": match("b", hbm=prompt // BLOCK)}
-    ttft = PROFILE.prefill_seconds(1, prompt - 1)
+    # What kv_ttft predicts there: the rest of the decode step in progress, then the
+    # last token beside the 4 decodes.
+    ttft = step_residual_seconds(PROFILE, 0, 4, 4 * 512)
+    ttft += prefill_seconds(PROFILE, 1, prompt - 1, 4, 4 * 512)
     plan = planner().plan(workers, "b", ttft, prompt, BLOCK, held)
     assert (plan.disaggregate, plan.prefill, plan.reason) == (False, "b", "cheaper_local")
     stall = plan.predicted["prefill_local_decode_stall"]
     assert 0 < stall < PROFILE.prefill[0] / 10
-    assert plan.predicted["prefill_local_ttft"] < plan.predicted["decode_local_ttft"] / 1.5
+    # Its TTFT is what the policy predicted (the step in progress, then one token); the
+    # cold decoder would compute all 256 tokens.
+    assert plan.predicted["prefill_local_ttft"] == pytest.approx(ttft)
+    assert plan.predicted["decode_local_ttft"] == pytest.approx(PROFILE.prefill_seconds(prompt))
+    assert plan.predicted["prefill_local_ttft"] < plan.predicted["decode_local_ttft"]
 
 
 def test_with_pooling_the_decoder_pulls_the_prefix_a_busy_worker_holds() -> None:
