@@ -16,7 +16,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from kvrouter.supervisor import die_with_parent
@@ -24,11 +26,28 @@ from kvrouter.supervisor import die_with_parent
 __all__ = ["EmbeddedRedis", "find_redis_server", "free_port"]
 
 
+#: Ports :func:`free_port` handed out lately, newest last: the kernel may give a port
+#: just released to the next ``bind(0)``, and a caller binds its port only later.
+_HANDED: deque[int] = deque(maxlen=256)
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, and not one this process handed out lately.
+
+    Two servers started side by side each take a port here and bind it later (a
+    worker process binds after its model loads); without the memory, both calls can
+    return the same port and the second server fails to bind while the first answers
+    for it.
+    """
+    with _HANDED_LOCK:
+        for _ in range(64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port: int = s.getsockname()[1]
+            if port not in _HANDED:
+                break
+        _HANDED.append(port)
         return port
 
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,3 +178,40 @@ def test_up_refuses_a_fleet_it_cannot_start(args: list[str], says: str) -> None:
     result = CliRunner().invoke(app, ["up", *args])
     assert result.exit_code == 2
     assert says in result.output
+
+
+def test_free_port_never_hands_out_a_port_it_handed_out_lately(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Servers started side by side each take a port and bind it seconds later (a worker
+    # binds after loading its model). The kernel may offer a port just released to the
+    # next bind(0): handed out twice, one server could not bind while the other answered
+    # its health checks (seen in the indexer's fault tests). Scripted here: the kernel
+    # offers 40001 twice, then 40002.
+    offered = iter([40001, 40001, 40002])
+
+    class Kernel:
+        def __init__(self, *args: object) -> None:
+            self.port = 0
+
+        def __enter__(self) -> Kernel:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(socket, "socket", Kernel)
+    assert [free_port(), free_port()] == [40001, 40002]
+    monkeypatch.undo()
+    # Real ports: many in a row, all distinct and each still free to bind.
+    ports = [free_port() for _ in range(100)]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
