@@ -161,10 +161,11 @@ class PdPlanner:
         profile = resolve_profile(decode, self.default_profile)
         cached = self._cached(decode, num_tokens, block_size, matches)
         transfer = pull_seconds(decode, profile, max(num_tokens - cached, 0))
-        # The prefill worker stalls its own decodes too (none on a prefill-only worker).
+        # The prefill worker stalls its own decodes too (none on a prefill-only worker),
+        # computing what it lacks: a prefill-only request pulls nothing from a peer.
         prefill_view = by_host.get(prefill)
         stall = (
-            self._local(prefill_view, num_tokens, block_size, matches, by_host).stall
+            self._local(prefill_view, num_tokens, block_size, matches, by_host, pool=False).stall
             if prefill_view
             else 0.0
         )
@@ -200,9 +201,12 @@ class PdPlanner:
         block_size: int,
         matches: Mapping[str, PrefixMatch],
         by_host: Mapping[str, WorkerView],
+        *,
+        pool: bool = True,
     ) -> _Local:
         """The request colocated on ``view``: its TTFT, the stall its prefill imposes on
-        the running decodes, and the pull from a peer where pooling makes it cheaper."""
+        the running decodes, and the pull from a peer where pooling (and ``pool``) makes
+        it cheaper."""
         profile = resolve_profile(view, self.default_profile)
         matched = self._matched(view.host, num_tokens, block_size, matches)
         batch, kv = decode_batch(view, self.mean_decode_context)
@@ -217,7 +221,7 @@ class PdPlanner:
             return _Local(ttft, stall, blocks, source, pull)
 
         best = option(matched, 0.0, None)
-        if self.pooling:
+        if self.pooling and pool:
             peer, held = self._holder(view.host, num_tokens, block_size, matches, by_host)
             output = view.mean_output_tokens or self.mean_output_tokens
             room = hbm_room_blocks(view, block_size, output)
