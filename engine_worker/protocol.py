@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "FIRST_TOKEN_HEADER",
+    "MARK_FIRST_TOKEN_HEADER",
     "ApiError",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -31,6 +33,14 @@ __all__ = [
     "error_body",
     "new_id",
 ]
+
+#: A router's request header: answer a non-streaming request with its headers and one
+#: space at its first token, then the JSON body (leading whitespace is valid JSON) when it
+#: is done, so that its first byte marks the end of prefill as a stream's does (a failure
+#: after the space breaks the connection). A client without it gets the plain response.
+MARK_FIRST_TOKEN_HEADER = "x-kvworker-mark-first-token"
+#: The response header that says the first byte was sent at the first token.
+FIRST_TOKEN_HEADER = "x-kvworker-first-token"
 
 #: Token ids are unsigned 32-bit on the wire and in block keys (DESIGN.md); any model's
 #: vocabulary is far smaller, and each server checks its own bound on top of this one.

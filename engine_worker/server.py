@@ -24,11 +24,19 @@ from engine_worker.http_errors import error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError
 from engine_worker.metrics import WorkerMetrics
-from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, now_s
+from engine_worker.protocol import (
+    FIRST_TOKEN_HEADER,
+    MARK_FIRST_TOKEN_HEADER,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    now_s,
+)
 from engine_worker.serving import (
     Generation,
     Prepared,
     full_body,
+    marked_body,
     prepare_chat,
     prepare_completion,
 )
@@ -125,26 +133,33 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     )
     app.add_middleware(_CountErrors, counter=metrics.request_errors)  # outermost: sees all
 
-    async def respond(gen: Generation) -> Response:
+    async def respond(gen: Generation, request: Request) -> Response:
+        rid = {"X-Request-Id": gen.prep.request_id}
         if gen.prep.stream:
             return StreamingResponse(
                 _stream_body(gen),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": gen.prep.request_id},
+                headers={"Cache-Control": "no-cache", **rid},
             )
-        return JSONResponse(await full_body(gen), headers={"X-Request-Id": gen.prep.request_id})
+        if request.headers.get(MARK_FIRST_TOKEN_HEADER):
+            return StreamingResponse(
+                await marked_body(gen),
+                media_type="application/json",
+                headers={FIRST_TOKEN_HEADER: "marked", **rid},
+            )
+        return JSONResponse(await full_body(gen), headers=rid)
 
     @app.post("/v1/completions")
     async def completions(
         body: CompletionRequest, request: Request, worker: ServingDep
     ) -> Response:
         gen = Generation(worker, prepare_completion(worker, body), request.is_disconnected)
-        return await respond(gen)
+        return await respond(gen, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, worker: ServingDep) -> Response:
         gen = Generation(worker, prepare_chat(worker, body), request.is_disconnected)
-        return await respond(gen)
+        return await respond(gen, request)
 
     @app.post("/v1/completions/render")
     async def completions_render(body: CompletionRequest, worker: WorkerDep) -> list[Any]:

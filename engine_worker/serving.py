@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +281,7 @@ class Generation:
             cached_tokens_by_medium=by_medium,
         )
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Run the request; yields text deltas, the last one carrying the finish reason."""
         w, p = self.worker, self.prep
         req = Request(
@@ -309,6 +309,7 @@ class Generation:
         hold = max((len(s) for s in stops), default=1) - 1
         text = ""
         sent = 0
+        opened = False
         try:
             while True:
                 ev = await self._next(queue)
@@ -336,7 +337,10 @@ class Generation:
                     text += decoder.finish()
                     self._done = True
                 upto = len(text) if self._done else max(len(text) - hold, sent)
-                if upto > sent or self._done:
+                # The first token always yields (empty while its text is held back):
+                # a response's first byte marks the end of prefill.
+                if upto > sent or self._done or not opened:
+                    opened = True
                     yield Delta(text[sent:upto], reason if self._done else None)
                     sent = upto
                 if self._done:
@@ -449,12 +453,13 @@ async def stream_body(gen: Generation) -> AsyncIterator[bytes]:
     yield sse("[DONE]")
 
 
-async def full_body(gen: Generation) -> dict[str, Any]:
-    """The JSON body of a non-streaming response."""
+async def full_body(gen: Generation, deltas: AsyncIterator[Delta] | None = None) -> dict[str, Any]:
+    """The JSON body of a non-streaming response (from ``deltas``: the rest of
+    ``gen.deltas()`` when a caller took its first)."""
     p = gen.prep
     parts: list[str] = []
     reason: str | None = None
-    async for d in gen.deltas():
+    async for d in gen.deltas() if deltas is None else deltas:
         parts.append(d.text)
         reason = d.finish_reason or reason
     text = "".join(parts)
@@ -480,3 +485,29 @@ async def full_body(gen: Generation) -> dict[str, Any]:
     if (params := await gen.hand_off()) is not None:
         body["kv_transfer_params"] = params
     return body
+
+
+async def marked_body(gen: Generation) -> AsyncIterator[bytes]:
+    """A non-streaming body whose first byte marks the first token
+    (``MARK_FIRST_TOKEN_HEADER``): one space once the first token is out, the JSON
+    body when the request is done. Runs the request up to its first token before it
+    returns, so that a failure before it (a prompt too long) keeps its status; one
+    after it breaks the connection, which a router answers as a worker failure.
+    """
+    deltas = gen.deltas()
+    first = await anext(deltas, None)
+
+    async def rest() -> AsyncIterator[Delta]:
+        if first is not None:
+            yield first
+        async for d in deltas:
+            yield d
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b" "
+            yield json.dumps(await full_body(gen, rest())).encode()
+        finally:
+            await deltas.aclose()  # aborts the request on the engine if it did not end
+
+    return body()

@@ -541,6 +541,13 @@ async def _respond(
                 decision["pd"]["prefill_cached_tokens_by_medium"] = opened.prefill_cached
         headers["x-kvrouter-decision"] = json.dumps(decision, separators=(",", ":"))
     gw.metrics.prompt_tokens.inc(routed.prompt_tokens)
+    if up.first_token and up.status == 200:
+        ttft = up.first_byte_at - t0
+        gw.metrics.ttft.observe(ttft)
+        predicted = routed.decision.predicted_ttft_s
+        if predicted:
+            gw.metrics.predicted_ttft.observe(predicted)
+            gw.metrics.ttft_error_ratio.observe(ttft / predicted)
     if up.rest is None:
         await up.close()  # the body was read whole
         if up.status == 200:
@@ -550,12 +557,6 @@ async def _respond(
         gw.metrics.e2e.observe(time.perf_counter() - t0)
         ctype = up.headers.get("content-type", "application/json")
         return Response(up.first, status_code=up.status, media_type=ctype, headers=headers)
-    ttft = up.first_byte_at - t0
-    gw.metrics.ttft.observe(ttft)
-    predicted = routed.decision.predicted_ttft_s
-    if predicted:
-        gw.metrics.predicted_ttft.observe(predicted)
-        gw.metrics.ttft_error_ratio.observe(ttft / predicted)
     stream = _Stream(gw, up, body.include_usage, endpoint, policy, t0)
     return _RelayResponse(
         stream.relay(),

@@ -18,7 +18,11 @@ after it ends the stream with an OpenAI-style error event and
 ``data: [DONE]``.
 
 Every attempt holds a :class:`~kvrouter.gateway.load.Ticket` on its worker,
-released exactly once whatever happens (success, error, client gone).
+released exactly once whatever happens (success, error, client gone). Its
+first byte moves the request's count from queued prefill to decoding. A
+non-streaming request asks its worker to mark that moment too
+(``MARK_FIRST_TOKEN_HEADER``: a space at the first token, then the JSON body);
+a worker that does not gives its first byte with the whole body.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from engine_worker.protocol import ApiError, error_body
+from engine_worker.protocol import FIRST_TOKEN_HEADER, MARK_FIRST_TOKEN_HEADER, ApiError, error_body
 from kvrouter.gateway.discovery import WorkerDirectory
 from kvrouter.gateway.load import Load, LoadTracker, Ticket
 from kvrouter.gateway.metrics import RouterMetrics
@@ -51,7 +55,11 @@ class Upstream:
     rest: AsyncIterator[bytes] | None
     response: UpstreamResponse | None
     ticket: Ticket
+    #: When the first byte came: the first token for a stream and for a non-streaming
+    #: answer whose worker marked it (``first_token``), the whole body's end otherwise.
     first_byte_at: float
+    #: ``first_byte_at`` marks the first token.
+    first_token: bool = True
 
     async def close(self) -> None:
         """Release the load ticket, then the connection (idempotent; never raises)."""
@@ -108,6 +116,8 @@ class Dispatcher:
             ApiError: 503 when every attempt failed before the first byte.
         """
         headers = {"content-type": "application/json", "x-request-id": request_id}
+        if whole:
+            headers[MARK_FIRST_TOKEN_HEADER] = "1"
         if self.internal_token:
             headers["authorization"] = f"Bearer {self.internal_token}"
         last_reason = "no candidate"
@@ -154,12 +164,14 @@ class Dispatcher:
             if resp.status_code == 503 or (resp.status_code >= 500 and not whole):
                 text = (await resp.aread())[:200].decode(errors="replace")
                 raise _RetryableError("5xx", f"HTTP {resp.status_code}: {text}")
+            if whole and resp.status_code == 200 and resp.headers.get(FIRST_TOKEN_HEADER):
+                return await _read_marked(worker, resp, ticket)
             if whole or resp.status_code >= 400:
                 data = await resp.aread()
                 ticket.first_byte()
                 await resp.aclose()
                 return Upstream(worker, resp.status_code, resp.headers, data, None, None, ticket,
-                                time.perf_counter())  # fmt: skip
+                                time.perf_counter(), first_token=False)  # fmt: skip
             chunks = resp.aiter_bytes()
             try:
                 first = await chunks.__anext__()
@@ -178,6 +190,19 @@ class Dispatcher:
         except BaseException:
             await resp.aclose()
             raise
+
+
+async def _read_marked(worker: str, resp: UpstreamResponse, ticket: Ticket) -> Upstream:
+    """A non-streaming answer whose first byte (a space) came at its first token
+    (``MARK_FIRST_TOKEN_HEADER``): the prompt is prefilled from then on, so the load
+    counts it as decoding, not queued, for the rest of its generation."""
+    chunks = resp.aiter_bytes()
+    first = await anext(chunks, b"")
+    first_at = time.perf_counter()
+    ticket.first_byte()
+    data = (first + b"".join([chunk async for chunk in chunks])).lstrip()
+    await resp.aclose()
+    return Upstream(worker, 200, resp.headers, data, None, None, ticket, first_at)
 
 
 #: The dispatcher's retry kinds (metrics label) by where the request failed.

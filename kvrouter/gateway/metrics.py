@@ -22,7 +22,9 @@ class RouterMetrics:
             ["endpoint", "status", "policy"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.ttft = Histogram(
-            "time_to_first_token_seconds", "Arrival at the gateway to the first streamed byte",
+            "time_to_first_token_seconds",
+            "Arrival at the gateway to the first token (streamed, or marked by the worker in "
+            "a non-streaming answer)",
             namespace=ns, registry=registry, buckets=_LATENCY,
         )  # fmt: skip
         self.e2e = Histogram(

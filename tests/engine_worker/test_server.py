@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_worker.protocol import FIRST_TOKEN_HEADER, MARK_FIRST_TOKEN_HEADER
 from engine_worker.server import create_app
 from engine_worker.settings import WorkerSettings
 from tests.support.servers import serve_app
@@ -101,6 +102,47 @@ def test_streamed_text_equals_the_non_streamed_text(worker_url: str) -> None:
     assert text == whole["choices"][0]["message"]["content"]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+MARK = {MARK_FIRST_TOKEN_HEADER: "1"}
+
+
+@pytest.mark.parametrize(
+    ("path", "req"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story"}]}),
+        ("/v1/completions", {"prompt": "Once upon a time", "stop": [" the"]}),
+    ],
+)
+def test_a_marked_answer_opens_with_a_space_and_is_the_plain_answer(
+    worker_url: str, path: str, req: dict[str, Any]
+) -> None:
+    """A router that asks for the first token to be marked gets a space first, then the
+    same answer a plain request gets (leading whitespace is valid JSON)."""
+    req = {"model": MODEL, "max_tokens": 12, "temperature": 0, **req}
+    plain = post(worker_url, path, req)
+    with httpx.stream("POST", f"{worker_url}{path}", json=req, headers=MARK, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers[FIRST_TOKEN_HEADER] == "marked"
+        assert r.headers["content-type"] == "application/json"
+        raw = r.read()
+    assert raw.startswith(b" {")
+    marked, unmarked = json.loads(raw), plain.json()
+    assert FIRST_TOKEN_HEADER not in plain.headers
+    for body in (marked, unmarked):
+        del body["id"], body["created"]
+    assert marked == unmarked
+    wait_idle(worker_url)
+
+
+def test_a_marked_request_that_fails_before_its_first_token_keeps_its_status(
+    worker_url: str,
+) -> None:
+    req = {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}
+    r = httpx.post(f"{worker_url}/v1/completions", json=req, headers=MARK, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert FIRST_TOKEN_HEADER not in r.headers
 
 
 def test_a_repeated_prompt_reports_cached_tokens_on_hbm(worker_url: str) -> None:
