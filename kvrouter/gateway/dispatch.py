@@ -9,10 +9,12 @@ refused the connection is benched until it heartbeats again.
 A streaming request is also retried when the worker fails after taking it
 but before its first byte (a read error or timeout, another 5xx): nothing
 reached the client, and closing the connection aborts the first attempt on
-its worker, so the client still gets exactly one answer. A non-streaming
-request is not: a worker that failed while generating it answers 502 (504
-on a timeout), so a request is never generated twice. A worker's 4xx is the
-client's problem and is passed through as is, like a non-streaming 5xx.
+its worker, so the client still gets exactly one answer. So is a
+non-streaming request on a worker that marks its first token (below; learnt
+from its last non-streaming answer). Any other non-streaming request is not:
+a worker that failed while generating it answers 502 (504 on a timeout), so
+a request is never generated twice. A worker's 4xx is the client's problem
+and is passed through as is, like such a non-streaming 5xx.
 Once the first byte reached the client the stream is committed: a failure
 after it ends the stream with an OpenAI-style error event and
 ``data: [DONE]``.
@@ -91,6 +93,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.timeouts = Timeouts(connect=connect_timeout_s, write=30.0, read=first_byte_timeout_s)
         self.internal_token = internal_token
+        #: Workers whose last non-streaming answer marked its first token: a request that
+        #: fails there before its first byte generated nothing yet, so it is retried.
+        self.marking: set[str] = set()
 
     async def open(
         self,
@@ -154,18 +159,25 @@ class Dispatcher:
         self, worker: str, url: str, body: bytes, headers: dict[str, str], ticket: Ticket,
         whole: bool,
     ) -> Upstream:  # fmt: skip
+        # Whether a failure before the first byte may have generated the answer already:
+        # a worker that does not mark a non-streaming answer's first token sends its first
+        # byte with the whole body.
+        unmarked = whole and worker not in self.marking
         try:
             resp = await self.pool.post(url, body, headers, self.timeouts)
         except UpstreamError as exc:
             if exc.stage == "read":
-                _started(exc, whole)
+                _started(exc, unmarked)
             raise _RetryableError(_KINDS[exc.stage], str(exc)) from exc
         try:
-            if resp.status_code == 503 or (resp.status_code >= 500 and not whole):
+            if resp.status_code == 503 or (resp.status_code >= 500 and not unmarked):
                 text = (await resp.aread())[:200].decode(errors="replace")
                 raise _RetryableError("5xx", f"HTTP {resp.status_code}: {text}")
-            if whole and resp.status_code == 200 and resp.headers.get(FIRST_TOKEN_HEADER):
-                return await _read_marked(worker, resp, ticket)
+            if whole and resp.status_code == 200:
+                if resp.headers.get(FIRST_TOKEN_HEADER):
+                    self.marking.add(worker)
+                    return await _read_marked(worker, resp, ticket)
+                self.marking.discard(worker)
             if whole or resp.status_code >= 400:
                 data = await resp.aread()
                 ticket.first_byte()
@@ -209,9 +221,10 @@ async def _read_marked(worker: str, resp: UpstreamResponse, ticket: Ticket) -> U
 _KINDS = {"connect": "connect", "send": "send", "read": "transport"}
 
 
-def _started(exc: UpstreamError, whole: bool) -> None:
-    """A non-streaming request failed after its worker took it: answer, never retry."""
-    if not whole:
+def _started(exc: UpstreamError, generated: bool) -> None:
+    """A non-streaming request failed after its worker took it: where the worker may have
+    generated the answer (``generated``), answer, never retry."""
+    if not generated:
         return
     timeout = exc.timeout
     raise ApiError(

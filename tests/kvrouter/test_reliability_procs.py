@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,10 @@ class Proc:
         return self.proc.proc.wait(timeout)
 
 
-def sim_worker(name: str, redis_url: str, tmp_path: Path) -> Proc:
+def sim_worker(name: str, redis_url: str, tmp_path: Path, time_scale: float = 5.0) -> Proc:
     args = [
         "worker", "--model", MODEL, "--runner", "sim", "--name", name, "--redis", redis_url,
-        "--time-scale", "5", "--max-num-seqs", "16",
+        "--time-scale", str(time_scale), "--max-num-seqs", "16",
     ]  # fmt: skip
     return Proc(name, args, tmp_path, FAST)
 
@@ -236,6 +237,71 @@ def test_a_non_streaming_request_whose_worker_dies_is_not_generated_again(
         other = next(w for n, w in workers.items() if n != victim)
         scrape = httpx.get(f"{other.url}/metrics").text
         assert "kvworker_prompt_tokens_total 0.0" in scrape
+
+
+def test_a_non_streaming_request_whose_worker_dies_before_its_first_token_is_retried(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The worker taking a non-streaming request is SIGKILLed while it prefills. Workers
+    mark a non-streaming answer's first token, so the gateway knows nothing was generated
+    yet: it retries on the other worker, as it does a stream, and the client gets one
+    answer instead of a 502."""
+    # Sim steps x200: the 1,000-token prompt prefills for seconds, each decode step ~1 s.
+    procs = {n: sim_worker(n, redis_url, tmp_path, time_scale=200.0) for n in ("a", "b")}
+    try:
+        for p in procs.values():
+            p.proc.start()
+        with in_process_gateway(redis_url, 2) as gw:
+            wait_workers(gw, 2)
+            # The gateway learns that a worker marks the first token from its answers: one
+            # non-streaming answer from each (two at once go to different workers).
+            served: set[str] = set()
+            for i in range(5):
+                if served == set(procs):
+                    break
+                warm = [{"model": MODEL, "prompt": prompt(100 + 2 * i + k, 8), "max_tokens": 1}
+                        for k in range(2)]  # fmt: skip
+                with ThreadPoolExecutor(2) as pool:
+                    answers = pool.map(
+                        lambda b: httpx.post(f"{gw}/v1/completions", json=b, timeout=60), warm
+                    )
+                    served |= {r.headers["x-kvrouter-worker"] for r in answers}
+            assert served == set(procs)
+            result: dict[str, httpx.Response] = {}
+            body = {"model": MODEL, "prompt": prompt(0, 1000), "max_tokens": 2}
+            sender = threading.Thread(
+                target=lambda: result.update(
+                    r=httpx.post(f"{gw}/v1/completions", json=body, timeout=120)
+                ),
+                daemon=True,
+            )
+            sender.start()
+            deadline = time.monotonic() + 30
+            victim = None
+            while victim is None:  # the gateway's count: a busy worker answers late
+                assert time.monotonic() < deadline, "no worker took the request"
+                scrape = httpx.get(f"{gw}/metrics").text
+                victim = next(
+                    (
+                        w
+                        for w in procs
+                        if f'kvrouter_worker_in_flight{{worker="{w}"}} 1.0' in scrape
+                    ),
+                    None,
+                )
+                time.sleep(0.05)
+            time.sleep(0.5)  # prefilling: its first token is seconds away
+            procs[victim].proc.kill()
+            sender.join(120)
+            r = result["r"]
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvrouter-worker"] != victim
+            assert r.json()["usage"]["completion_tokens"] == 2
+            scrape = httpx.get(f"{gw}/metrics").text
+            assert 'kvrouter_retries_total{reason="transport"} 1.0' in scrape
+    finally:
+        for p in procs.values():
+            p.proc.stop()
 
 
 def _get_health(sock: socket.socket) -> bytes:
