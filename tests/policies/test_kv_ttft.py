@@ -11,7 +11,7 @@ from engine_worker.profiles import load_profile
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
 from policies.base import Decision, NoWorkerError
-from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
+from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH, queue_seconds, step_residual_seconds
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import (
     BLOCK,
@@ -129,6 +129,25 @@ def test_speculative_load_stops_counting_once_a_newer_view_shows_it() -> None:
 
     assert stale.scores["w"]["speculative_tokens"] == 2000
     assert fresh.scores["w"]["speculative_tokens"] == 0
+
+
+def test_prefill_routed_since_the_view_replaces_the_decode_step_a_request_waits_out() -> None:
+    """A decoding worker whose view shows no queue costs a new request half a decode step
+    (the step in progress). Once a prompt was routed there since that view, the step in
+    progress is one of that prompt's chunks, which the queue counts whole: no half step
+    on top (it was counted twice)."""
+    policy = KvTtftPolicy(catchup_s=0.05)
+    decoding = view("w", running=8, running_kv=8 * 1024, ts=4.9)
+    short = tokens(50, seed=8)
+    alone = policy.score(request(short, now=5.0), [decoding], {}).decision
+    policy.choose(request(tokens(2000, seed=7), now=5.0), [decoding], {})
+    behind = policy.choose(request(short, now=5.01), [decoding], {})
+
+    assert alone.scores["w"]["queue_s"] == pytest.approx(
+        step_residual_seconds(PROFILE, 0, 8, 8 * 1024)
+    )
+    assert behind.scores["w"]["speculative_tokens"] == 2000
+    assert behind.scores["w"]["queue_s"] == pytest.approx(queue_seconds(PROFILE, 2000, 8, 8 * 1024))
 
 
 def test_without_speculative_load_only_the_views_queue_counts() -> None:
