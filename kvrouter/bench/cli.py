@@ -312,6 +312,9 @@ def live(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
     limit: Annotated[int | None, typer.Option(help="Replay the first N requests.")] = None,
+    stream: Annotated[
+        bool, typer.Option(help="Streaming requests (non-streaming: no TTFT, a client sees none).")
+    ] = True,
 ) -> None:
     """Replay a trace against a running gateway in real time; same report as ``bench sim``."""
     import asyncio
@@ -329,7 +332,7 @@ def live(
             replay_live(
                 records, gateway.rstrip("/"), model=model, time_scale=time_scale,
                 block_size=block_size, vocab_size=vocab_size, redis_url=redis,
-                api_key=api_key, progress=lambda n: progress.advance(task, n),
+                api_key=api_key, progress=lambda n: progress.advance(task, n), stream=stream,
             )
         )  # fmt: skip
     summary = summarize(label, result.records, result.busy_s, result.oracle)

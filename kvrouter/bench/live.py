@@ -128,6 +128,19 @@ async def _one(
     http: httpx.AsyncClient, gateway: str, body: dict[str, object], rec: RequestRecord,
     t0: float, headers: dict[str, str],
 ) -> bool:  # fmt: skip
+    if not body.get("stream"):
+        resp = await http.post(f"{gateway}/v1/completions", json=body, headers=headers)
+        rec.finish_s = time.perf_counter() - t0
+        if resp.status_code != 200:
+            return False
+        rec.worker = resp.headers.get("x-kvrouter-worker", "?")
+        usage = resp.json().get("usage") or {}
+        rec.output_tokens = usage.get("completion_tokens", 0)
+        rec.cached_tokens = served_by_medium(usage.get("cached_tokens_by_medium") or {})
+        handoff = _pd_handoff(resp.headers.get("x-kvrouter-decision"))
+        if handoff is not None:
+            rec.prefill_worker, rec.cached_tokens = handoff
+        return True
     async with http.stream(
         "POST", f"{gateway}/v1/completions", json=body, headers=headers
     ) as resp:  # fmt: skip
@@ -168,12 +181,15 @@ async def replay_live(
     prompt: Callable[[TraceRecord], str | list[int]] | None = None,
     worker_urls: Mapping[str, str] | None = None,
     decisions: bool = False,
+    stream: bool = True,
 ) -> LiveResult:
     """Replay ``trace`` against ``gateway`` in real time (arrivals divided by ``time_scale``).
 
     ``prompt`` replaces the token-id prompts (text, say); ``worker_urls`` (host -> URL)
     names the workers whose busy time to read when there is no ``redis_url``;
     ``decisions`` asks our gateway for its decision headers (PD hand-offs, above).
+    ``stream=False`` sends non-streaming requests: each record has its end and its
+    usage, no first token (a client sees none).
     """
     factory = PromptFactory(block_size, root_parent(model), vocab_size=vocab_size)
     make_prompt = prompt or factory.tokens
@@ -201,9 +217,10 @@ async def replay_live(
                 "max_tokens": max(rec.output_length, 1),
                 "ignore_eos": True,
                 "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream": stream,
             }
+            if stream:
+                body["stream_options"] = {"include_usage": True}
             try:
                 ok = await _one(http, gateway, body, records[i], t0, headers)
             except httpx.HTTPError:

@@ -1,6 +1,6 @@
 """The offline simulator against an online replay of the same trace slice.
 
-    python -m kvrouter.bench.sim_vs_live [--json PATH]
+    python -m kvrouter.bench.sim_vs_live [--no-stream] [--json PATH]
     python -m kvrouter.bench.sim_vs_live --pd always [--json PATH]
 
 Starts a real cluster on this machine (embedded Redis, the indexer, ``sim``
@@ -127,9 +127,11 @@ def run_live(
     time_scale: float,
     cluster: Cluster | None = None,
     transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH,
+    stream: bool = True,
 ) -> tuple[LiveResult, dict[str, float]]:
     """Replay on a real cluster of sim workers behind the gateway (their KV pulls modeled
-    at ``transfer_bandwidth``); also the gateway's PD counters (empty without PD)."""
+    at ``transfer_bandwidth``), with streaming requests or not; also the gateway's PD
+    counters (empty without PD)."""
     spec = cluster or Cluster()
     tiers = dict(spec.tiers)
     py = [sys.executable, "-m", "kvrouter"]
@@ -171,7 +173,7 @@ def run_live(
             live = asyncio.run(
                 replay_live(
                     trace, gateway, model=MODEL, time_scale=time_scale, redis_url=redis.url,
-                    decisions=spec.pd != "never",
+                    decisions=spec.pd != "never", stream=stream,
                 )
             )  # fmt: skip
             counts = _gateway_pd_counts(gateway) if spec.pd != "never" else {}
@@ -293,6 +295,9 @@ def main() -> None:
     ap.add_argument("--transfer-gbps", type=float, default=DEFAULT_TRANSFER_BANDWIDTH / 1e9,
                     help="KV transfer bandwidth, modeled by the live sim workers and the "
                     "simulator alike (default: 12.5)")  # fmt: skip
+    ap.add_argument("--no-stream", action="store_true",
+                    help="colocated: the live replay sends non-streaming requests (its TTFT "
+                    "is then blank; hit rates and requests per worker compare)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     console = Console(width=170)
@@ -314,7 +319,10 @@ def main() -> None:
             args.json.write_text(json.dumps(c.to_json(), indent=2))
         return
     trace = trace_slice(args.seed, args.sessions or 60)
-    live, _ = run_live(trace, args.time_scale, transfer_bandwidth=args.transfer_gbps * 1e9)
+    live, _ = run_live(
+        trace, args.time_scale, transfer_bandwidth=args.transfer_gbps * 1e9,
+        stream=not args.no_stream,
+    )  # fmt: skip
     live_summary = summarize("live kv_ttft", live.records, live.busy_s, live.oracle)
     config = Cluster().sim_config(args.time_scale, args.seed, args.transfer_gbps * 1e9)
     sim = simulate(trace, build_policy("kv_ttft", seed=args.seed), config)

@@ -27,13 +27,18 @@ def cluster(redis_server: Any) -> Iterator[Cluster]:
         yield c
 
 
-def test_live_replay_reports_every_request_and_the_shared_prefixes(cluster: Cluster) -> None:
-    # Three sessions of three turns: each turn extends the previous one's hash ids.
+@pytest.mark.parametrize("stream", [True, False])
+def test_live_replay_reports_every_request_and_the_shared_prefixes(
+    cluster: Cluster, stream: bool
+) -> None:
+    # Three sessions of three turns: each turn extends the previous one's hash ids (each
+    # run its own sessions: the cluster's caches outlive a run).
     trace = []
+    base = 0 if stream else 100_000
     for s in range(3):
-        ids = [1000 * s + 1]
+        ids = [base + 1000 * s + 1]
         for turn in range(3):
-            ids = [*ids, 1000 * s + 10 + turn]
+            ids = [*ids, base + 1000 * s + 10 + turn]
             record = TraceRecord(
                 timestamp=turn * 300 + s * 50,
                 input_length=len(ids) * 512 - 100,
@@ -44,11 +49,18 @@ def test_live_replay_reports_every_request_and_the_shared_prefixes(cluster: Clus
     trace.sort(key=lambda r: r.timestamp)
     result = asyncio.run(
         replay_live(
-            trace, cluster.gateway, model="tiny", time_scale=1.0, redis_url=cluster.redis_url
+            trace,
+            cluster.gateway,
+            model="tiny",
+            time_scale=1.0,
+            redis_url=cluster.redis_url,
+            stream=stream,
         )
     )
     assert result.errors == 0
-    assert all(r.first_token_s is not None and r.finish_s is not None for r in result.records)
+    assert all(r.finish_s is not None for r in result.records)
+    # A non-streaming client sees no first token.
+    assert all((r.first_token_s is not None) == stream for r in result.records)
     assert all(r.output_tokens == 4 for r in result.records)
     assert {r.worker for r in result.records} <= set(cluster.workers)
     assert set(result.busy_s) == set(cluster.workers)
