@@ -100,7 +100,8 @@ def gateway() -> Dashboard:
                         "Time to first token",
                         quantiles("kvrouter_time_to_first_token_seconds"),
                         "s",
-                        "Arrival at the gateway to the first streamed byte (streaming requests).",
+                        "Arrival at the gateway to the first token (streamed, or marked by the "
+                        "worker in a non-streaming answer).",
                     ),
                     Panel(
                         "End-to-end latency",
