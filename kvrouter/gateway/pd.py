@@ -173,7 +173,9 @@ class PdPlanner:
         predicted["split_prefill_ttft"] = prefill_ttft_s or 0.0
         predicted["split_transfer"] = transfer
         predicted["split_decode_stall"] = stall
-        host = min(options, key=lambda h: options[h].cost)
+        # A tie keeps the policy's choice: a decode-only worker takes prefill work only
+        # where that is cheaper.
+        host = min(options, key=lambda h: (options[h].cost, h != prefill))
         if split < options[host].cost:
             return PdPlan(True, prefill, decode.host, "cheaper_split", predicted)
         best = options[host]

@@ -66,6 +66,24 @@ def test_auto_splits_when_local_prefill_would_stall_a_busy_decoder() -> None:
     assert plan.header()["mode"] == "disaggregated"
 
 
+def test_on_an_idle_fleet_a_tie_keeps_the_request_on_the_policys_choice() -> None:
+    """The policy chose a worker that prefills and decodes; an idle decode-only worker
+    would serve the request in exactly the same time. The plan keeps the policy's choice:
+    moving it would put prefill work, and then the prompt's cached prefix that draws
+    its followers, on a worker kept for decoding, for nothing."""
+    prompt = 4096
+    ttft = PROFILE.prefill_seconds(prompt)
+    workers = [view("mixed"), decode_view("d")]
+    plan = planner().plan(workers, "mixed", ttft, prompt, BLOCK, {})
+    assert plan.predicted["decode_local_ttft"] == pytest.approx(
+        plan.predicted["prefill_local_ttft"]
+    )
+    assert (plan.disaggregate, plan.reason, plan.prefill) == (False, "cheaper_local", "mixed")
+    # Where the decoder is strictly cheaper (it holds the prompt), it still takes it.
+    held = planner().plan(workers, "mixed", ttft, prompt, BLOCK, {"d": match("d", hbm=200)})
+    assert (held.disaggregate, held.prefill) == (False, "d")
+
+
 def test_through_the_router_core_the_plan_sees_what_the_router_sent_since_the_heartbeat() -> None:
     # Two idle decoders by their heartbeats; the router has since sent three requests
     # to d1 (its own count). The planner, handed the core's overlaid views, takes d2.
