@@ -41,6 +41,7 @@ def test_a_non_streaming_request_counts_as_decoding_from_its_first_token(
         # the same.
         body = {
             "model": MODEL, "prompt": prompt(0, 1000), "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True,
             "stop": ["no such text " * 8],
         }  # fmt: skip
         answers: list[httpx.Response] = []
