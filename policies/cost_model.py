@@ -118,10 +118,11 @@ def queue_seconds(
     queued requests, ``new * (cached + new / 2)``) adds the attention the queued tokens
     pay to the context before their own chunk, the term that makes a queued 100K-token
     prompt cost several times its linear part; without it (0) every chunk is costed as
-    fresh tokens.
+    fresh tokens. With nothing queued, a worker only decoding still makes the request
+    wait out the decode step in progress (:func:`step_residual_seconds`).
     """
     if queued_tokens <= 0:
-        return 0.0
+        return step_residual_seconds(profile, queued_tokens, decode_batch, decode_kv_tokens)
     chunk = _chunk(profile, decode_batch)
     full, rest = divmod(queued_tokens, chunk)
     total = full * profile.step_seconds([(chunk, 0)], decode_batch, decode_kv_tokens)

@@ -169,7 +169,6 @@ from policies.cost_model import (
     queued_load_seconds,
     resolve_profile,
     split_prompt,
-    step_residual_seconds,
 )
 from policies.homes import HomeDemand
 from policies.live_cache import LiveCache
@@ -385,11 +384,6 @@ class KvTtftPolicy:
                 view.queued_prefill_context,
             )
             queue += queued_load_seconds(view, profile)
-            # Routed prefill the view does not show yet is queued ahead as well: then the
-            # step in progress is one of its chunks, which the queue term counts whole.
-            queue += step_residual_seconds(
-                profile, view.queued_prefill_tokens + spec_tokens, batch, kv
-            )
             # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
             # request holds them: the router's annotation), leave the room it is priced on.
             lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0

@@ -47,7 +47,6 @@ from policies.cost_model import (
     queue_seconds,
     resolve_profile,
     split_prompt,
-    step_residual_seconds,
 )
 
 __all__ = ["DEFAULT_TRANSFER_BANDWIDTH", "PdMode", "PdPlan", "PdPlanner"]
@@ -214,7 +213,6 @@ class PdPlanner:
         batch, kv = decode_batch(view, self.mean_decode_context)
         queued = view.queued_prefill_tokens
         wait = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
-        wait += step_residual_seconds(profile, queued, batch, kv)
 
         def option(blocks: int, pull: float, source: str | None) -> _Local:
             cached, new = split_prompt(num_tokens, blocks, block_size)
