@@ -128,19 +128,6 @@ async def _one(
     http: httpx.AsyncClient, gateway: str, body: dict[str, object], rec: RequestRecord,
     t0: float, headers: dict[str, str],
 ) -> bool:  # fmt: skip
-    if not body.get("stream"):
-        resp = await http.post(f"{gateway}/v1/completions", json=body, headers=headers)
-        rec.finish_s = time.perf_counter() - t0
-        if resp.status_code != 200:
-            return False
-        rec.worker = resp.headers.get("x-kvrouter-worker", "?")
-        usage = resp.json().get("usage") or {}
-        rec.output_tokens = usage.get("completion_tokens", 0)
-        rec.cached_tokens = served_by_medium(usage.get("cached_tokens_by_medium") or {})
-        handoff = _pd_handoff(resp.headers.get("x-kvrouter-decision"))
-        if handoff is not None:
-            rec.prefill_worker, rec.cached_tokens = handoff
-        return True
     async with http.stream(
         "POST", f"{gateway}/v1/completions", json=body, headers=headers
     ) as resp:  # fmt: skip
@@ -149,22 +136,30 @@ async def _one(
             return False
         rec.worker = resp.headers.get("x-kvrouter-worker", "?")
         handoff = _pd_handoff(resp.headers.get("x-kvrouter-decision"))
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                return False
-            if chunk.get("choices") and rec.first_token_s is None:
-                rec.first_token_s = time.perf_counter() - t0
-            usage = chunk.get("usage")
-            if usage:
-                rec.output_tokens = usage["completion_tokens"]
-                rec.cached_tokens = served_by_medium(usage.get("cached_tokens_by_medium") or {})
+        if not body.get("stream"):
+            await resp.aread()  # a client sees no first token
+            _take_usage(rec, resp.json().get("usage"))
+        else:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    return False
+                if chunk.get("choices") and rec.first_token_s is None:
+                    rec.first_token_s = time.perf_counter() - t0
+                _take_usage(rec, chunk.get("usage"))
         rec.finish_s = time.perf_counter() - t0
     if handoff is not None:
         rec.prefill_worker, rec.cached_tokens = handoff
     return True
+
+
+def _take_usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
+    """A response's ``usage`` (when it has one) into ``rec``."""
+    if usage:
+        rec.output_tokens = usage["completion_tokens"]
+        rec.cached_tokens = served_by_medium(usage.get("cached_tokens_by_medium") or {})
 
 
 async def replay_live(
