@@ -195,7 +195,10 @@ def memory_wait_seconds(
     active = view.kv_active_blocks
     queued = -(-view.queued_prefill_tokens // block_size)
     running = max(view.running, 1)
-    held = max(active, min(capacity, active + queued))
+    # An idle worker frees nothing by waiting: what is short of room there is the
+    # request itself (a prompt or max_tokens beyond its HBM); counted as one block held,
+    # the wait is long and finite, never a division by zero.
+    held = max(active, min(capacity, active + queued), 1)
     turnover = mean_output_tokens * profile.decode_seconds(running, view.running_kv_tokens)
     completions = math.ceil(excess * running / held)
     wasted = profile.prefill_seconds(min(new_tokens, max(int(free), 0) * block_size))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from msgspec.structs import replace
 
@@ -191,3 +193,15 @@ def test_a_block_evicted_from_a_worker_without_dram_costs_its_recompute() -> Non
     bare = replace(view("w", running=10, active=6_000, running_kv=96_000), kv_capacity_blocks={})
     assert reload_seconds(bare, PROFILE, 150, BLOCK) == pytest.approx(dram)
     assert reload_seconds(bare, PROFILE, 0, BLOCK) == 0.0
+
+
+def test_a_prompt_larger_than_an_idle_workers_hbm_waits_long_but_finitely() -> None:
+    # Found live (`make run`, 1,024 blocks of HBM per worker): a 20K-token prompt on idle
+    # workers, which nothing running will ever make room for, divided by the blocks held
+    # (none): the gateway answered 500 instead of passing on the worker's 400.
+    idle = view("w", hbm_capacity=1_024)
+    assert memory_wait_seconds(idle, PROFILE, 16_000, BLOCK, 160.0) == 0.0  # 1,000 blocks fit
+    over = memory_wait_seconds(idle, PROFILE, 20_000, BLOCK, 160.0)
+    assert math.isfinite(over)
+    assert over > 10.0  # far longer than any worker that could hold it would take
+    assert memory_wait_seconds(idle, PROFILE, 40_000, BLOCK, 160.0) > over

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -921,3 +922,13 @@ def test_homes_not_yet_returned_to_are_live_cache_too() -> None:
     assert w1["live_blocks"] == round(768 * p)
     assert 0 < w1["displace_s"] <= w0["displace_s"]
     assert decision.worker == "w0"
+
+
+def test_a_prompt_no_workers_hbm_can_hold_is_still_routed() -> None:
+    # Either worker would preempt it for want of room, the emptier one for less long; the
+    # worker then refuses it if it is beyond the model's context. No exception on the way.
+    prompt = tokens(20_000, seed=33)
+    workers = [view("small", hbm_capacity=1_024), view("smaller", hbm_capacity=512)]
+    decision = KvTtftPolicy().choose(request(prompt, max_tokens=10**12), workers, {})
+    assert decision.worker == "small"
+    assert math.isfinite(decision.predicted_ttft_s or math.inf)
