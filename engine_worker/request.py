@@ -13,7 +13,23 @@ from indexer.media import MEDIA, Medium
 if TYPE_CHECKING:
     from engine_worker.block_pool import Block
 
-__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
+__all__ = [
+    "GREEDY_BELOW",
+    "SEED_RANGE",
+    "FinishReason",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+]
+
+#: Temperatures below this sample greedily. Dividing logits by a temperature near zero
+#: overflows float32 to infinity and the softmax to NaN; vLLM's sampler draws the same
+#: line (``_SAMPLING_EPS = 1e-5`` in ``vllm/sampling_params.py``).
+GREEDY_BELOW = 1e-5
+
+#: Seeds a request may carry: a signed 64-bit integer, what ``torch.Generator.manual_seed``
+#: takes whatever its sign (vLLM's request schema bounds ``seed`` the same way).
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class RequestStatus(StrEnum):
@@ -36,7 +52,8 @@ class FinishReason(StrEnum):
 class SamplingParams:
     """OpenAI sampling parameters, validated.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k.
+    ``temperature`` below :data:`GREEDY_BELOW` (0 included) means greedy. ``top_k == 0``
+    disables top-k. ``seed`` lies in :data:`SEED_RANGE`.
     """
 
     max_tokens: int = 16
@@ -56,11 +73,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         """Whether sampling is argmax."""
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True, eq=False)

@@ -3,10 +3,17 @@
 A request with a ``seed`` owns a ``torch.Generator`` seeded once, so its
 output is reproducible whatever else shares the batch; requests without a
 seed share the sampler's generator.
+
+One request's parameters must never stop the engine that samples for the whole
+batch: temperatures too small to divide by are greedy (``SamplingParams.greedy``),
+scores are shifted so that their maximum is 0 before the division, and a row
+whose distribution still is not finite (logits with NaN in them) gets its argmax,
+with a warning, instead of an exception in the engine loop.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +21,8 @@ import torch
 from engine_worker.request import SamplingParams
 
 __all__ = ["Sampler"]
+
+log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -50,12 +59,18 @@ class Sampler:
         for i, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
             if p.greedy:
                 continue
-            out[i] = self._sample_row(logits[i], p, self._generator(rid, p))
+            sampled = self._sample_row(logits[i], p, self._generator(rid, p))
+            if sampled is None:
+                log.warning("request %s: logits are not finite; took the argmax", rid)
+                continue
+            out[i] = sampled
         return out
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-        scores = row.float() / p.temperature
+    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int | None:
+        """The sampled token, or None when the row's distribution is not finite."""
+        row = row.float()
+        scores = (row - row.max()) / p.temperature
         if p.top_k > 0 and p.top_k < scores.shape[-1]:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -67,4 +82,6 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return None
         return int(torch.multinomial(probs, 1, generator=gen).item())

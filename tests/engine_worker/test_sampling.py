@@ -50,3 +50,31 @@ def test_a_seeded_request_is_reproducible_whatever_shares_its_batch() -> None:
 def test_rows_and_params_must_agree() -> None:
     with pytest.raises(ValueError, match="one SamplingParams"):
         Sampler().sample(LOGITS, [], [])
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-30, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature: float) -> None:
+    # Found live: temperature 1e-300 made the scores infinite, the softmax NaN, and
+    # torch.multinomial raised in the engine loop, which died for every request.
+    assert SamplingParams(temperature=temperature).greedy
+    assert draws(SamplingParams(temperature=temperature), n=20) == {1}
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_a_row_whose_logits_are_not_finite_does_not_stop_the_batch() -> None:
+    broken = torch.tensor([[0.0, float("nan"), 1.0, -1.0, 0.5]])
+    s = Sampler(seed=0)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    for _ in range(20):
+        out = s.sample(torch.cat([broken, LOGITS]), params, ["broken", "fine"])
+        assert out[1] == 1  # the other request goes on
+        assert 0 <= out[0] < broken.shape[1]
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_a_seed_beyond_64_bits_is_refused_before_it_reaches_a_generator(seed: int) -> None:
+    # Found live: seed 2**70 overflowed torch's manual_seed inside the engine loop.
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1.0, seed=seed)
+    for ok in (2**63 - 1, -(2**63), 0):
+        assert draws(SamplingParams(temperature=1.0, seed=ok), n=3)
