@@ -129,6 +129,7 @@ class EngineLoop:
         time_scale: float = 1.0,
         on_step: Callable[[StepRecord], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        on_crash: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.05,
     ) -> None:
         self.scheduler = scheduler
@@ -137,6 +138,9 @@ class EngineLoop:
         self.time_scale = time_scale
         self.on_step = on_step
         self.on_change = on_change
+        #: Called on the engine thread, once its requests are aborted, when the loop died
+        #: of an exception (not when stopped).
+        self.on_crash = on_crash
         self.idle_wait_s = idle_wait_s
         self._changed = False
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -326,6 +330,8 @@ class EngineLoop:
                     if req is not None:
                         self._deliver(rid, self._event(req, None, None))
                 self._flush_events()
+            if self.error is not None and self.on_crash is not None:
+                self.on_crash(self.error)
 
     def _step(self, plan: SchedulerPlan, t0: float) -> None:
         """Execute a step planned at ``t0`` outside the lock, then fold it back under it."""

@@ -313,6 +313,14 @@ class Generation:
         try:
             while True:
                 ev = await self._next(queue)
+                if ev.finished and first_at is None and w.engine.error is not None:
+                    # The engine loop died with this request in it, before its first token:
+                    # nothing was generated, and a 503 lets a router retry it elsewhere
+                    # where a 200 would be an empty answer.
+                    raise ApiError(
+                        503, "the engine stopped before this request's first token",
+                        type_="service_unavailable",
+                    )  # fmt: skip
                 if ev.token is not None:
                     now = time.perf_counter()
                     if first_at is None:

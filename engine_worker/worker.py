@@ -41,6 +41,7 @@ from indexer.keys import root_parent
 from indexer.media import MEDIA, Medium
 from indexer.profile import TimingProfile
 from indexer.registry import RedisHostRegistry
+from indexer.tasks import cancel_and_wait
 from indexer.views import WorkerView
 from indexer.wire import Keyspace
 
@@ -131,7 +132,9 @@ class Worker:
             settings.bind,
             settings.kv_port,
         )
-        self._lease_task: asyncio.Task[None] | None = None
+        #: Lease expiry and the engine watch (:meth:`_watch_engine`), cancelled by stop.
+        self._tasks: list[asyncio.Task[None]] = []
+        self._engine_died = asyncio.Event()
         self._published = (0, 0, 0)
         self._registered = False
         #: Set on SIGTERM: new generation requests get 503 (routers retry them elsewhere).
@@ -266,9 +269,19 @@ class Worker:
             self.engine.request_snapshot()
         if sinks:
             self.engine.sink = sinks[0] if len(sinks) == 1 else SinkFanOut(sinks)
+        loop = asyncio.get_running_loop()
+
+        def crashed(_: BaseException) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._engine_died.set)
+
+        self.engine.on_crash = crashed
         self.engine.start()
         await self.kv_server.start()
-        self._lease_task = asyncio.create_task(self._expire_leases(), name="lease-expiry")
+        self._tasks = [
+            asyncio.create_task(self._expire_leases(), name="lease-expiry"),
+            asyncio.create_task(self._watch_engine(), name="engine-watch"),
+        ]
         self._refresh_state(self.scheduler)
         if self.presence is not None:
             self.presence.start()
@@ -318,7 +331,7 @@ class Worker:
         steps = [
             self.drain,
             self.kv_server.stop,
-            self._stop_lease_task,
+            self._stop_tasks,
             self._stop_engine,
             self.puller.aclose,
             *([self.publisher.stop] if self.publisher is not None else []),
@@ -341,11 +354,9 @@ class Worker:
         if self.vllm_events is not None:
             await asyncio.to_thread(self.vllm_events.stop)
 
-    async def _stop_lease_task(self) -> None:
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
+    async def _stop_tasks(self) -> None:
+        await cancel_and_wait(self._tasks)
+        self._tasks = []
 
     async def _stop_engine(self) -> None:
         if self.engine.alive:
@@ -410,6 +421,20 @@ class Worker:
         """Hold the cached run of ``keys`` for a decoder (see :mod:`engine_worker.pd`)."""
         ttl = self.settings.lease_ttl_s
         return await self.engine.apool_call(lambda s: self.leases.hold(s, lease_id, keys, ttl))
+
+    async def _watch_engine(self) -> None:
+        """Withdraw from routing once the engine loop has died of an error.
+
+        Every request the worker then gets is a 503 and ``/health`` says so (an
+        orchestrator's liveness probe restarts it); without this its heartbeat would go
+        on, and routers would keep sending it requests that can only fail.
+        """
+        await self._engine_died.wait()
+        log.critical(
+            "worker %s: the engine loop died (%r); heartbeat withdrawn, /health is 503",
+            self.name, self.engine.error,
+        )  # fmt: skip
+        await self.drain()
 
     async def _expire_leases(self) -> None:
         period = min(1.0, self.settings.lease_ttl_s / 4)

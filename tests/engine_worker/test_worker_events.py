@@ -195,3 +195,32 @@ def test_heartbeat_disappears_on_clean_shutdown(redis_url: str) -> None:
         eventually(lambda: client.exists(KS.heartbeat("w-bye")) == 1)
     assert client.exists(KS.heartbeat("w-bye")) == 0
     client.close()
+
+
+def test_a_worker_whose_engine_loop_dies_withdraws_its_heartbeat(redis_url: str) -> None:
+    # Found live: one request (seed 2**70, since refused) killed the engine loop; the
+    # heartbeat went on, and the gateway kept sending the worker requests that got 503.
+    app = create_app(settings(redis_url, name="w-crash"))
+    with serve_app(app) as url:
+        client = redis.Redis.from_url(redis_url)
+        eventually(lambda: client.exists(KS.heartbeat("w-crash")) == 1)
+        complete(url, "a healthy request first")
+
+        def fail(_: object) -> None:
+            raise RuntimeError("injected fault: the step failed")
+
+        app.state.worker.engine.runner.execute = fail  # a fault in the real engine's step
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code >= 500, r.text
+        # Gone at once, not at the heartbeat's 2 s TTL (it would be renewed forever).
+        eventually(lambda: client.exists(KS.heartbeat("w-crash")) == 0, timeout=1.0)
+        assert httpx.get(f"{url}/health").status_code == 503
+        after = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert after.status_code == 503
+        assert after.json()["error"]["type"] == "service_unavailable"
+        time.sleep(2.5)  # past the TTL: no heartbeat came back
+        assert client.exists(KS.heartbeat("w-crash")) == 0
+        client.close()
