@@ -16,7 +16,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from engine_worker.request import SEED_RANGE
 
 __all__ = [
     "FIRST_TOKEN_HEADER",
@@ -28,6 +37,7 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "PromptTokensDetails",
+    "Text",
     "TokenizedPrompt",
     "Usage",
     "error_body",
@@ -49,6 +59,26 @@ _TOKEN_ID_END = 2**32
 
 #: Asked for log probabilities, a client got ``"logprobs": null`` and no word why.
 _NO_LOGPROBS = "log probabilities are not supported: kvrouter's workers do not return them"
+
+
+def _unicode(v: str) -> str:
+    """``v`` unless it holds a lone surrogate, which JSON's ``\\ud800`` escapes let in.
+
+    No tokenizer, no UTF-8 encoder (a response, a Redis key) takes one: refused here,
+    it is a 400 instead of an exception wherever the text first goes.
+    """
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {v[exc.start]!a} at {exc.start}"
+            ) from None
+    return v
+
+
+#: A string a request may carry: valid Unicode (see :func:`_unicode`).
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 def new_id(prefix: str) -> str:
@@ -86,20 +116,20 @@ class TokenizedPrompt(_Lenient):
 
 
 class _SamplingFields(_Lenient):
-    model: Annotated[str, Field(min_length=1, max_length=256)]
+    model: Annotated[Text, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    user: Text | None = None
+    cache_salt: Annotated[Text, Field(max_length=256)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     tokenized_prompt: TokenizedPrompt | None = None
 
@@ -128,7 +158,7 @@ class _SamplingFields(_Lenient):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
 
@@ -159,16 +189,16 @@ class TextPart(_Lenient):
     """A text part of a message's content."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Lenient):
     """One chat message."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         """The content as one string."""

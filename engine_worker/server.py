@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_worker.http_errors import error_response, install_error_handlers
+from engine_worker.http_errors import ServerErrors, error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError
 from engine_worker.metrics import WorkerMetrics
@@ -131,6 +131,7 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         type_="authentication_error",
         code="invalid_internal_token",
     )
+    app.add_middleware(ServerErrors)  # a bug anywhere inside: an OpenAI 500
     app.add_middleware(_CountErrors, counter=metrics.request_errors)  # outermost: sees all
 
     async def respond(gen: Generation, request: Request) -> Response:

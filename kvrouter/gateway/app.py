@@ -28,7 +28,12 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_worker.chat_template import ChatTemplate, ChatTemplateError
-from engine_worker.http_errors import api_error_response, install_error_handlers
+from engine_worker.http_errors import (
+    ServerErrors,
+    api_error_response,
+    error_response,
+    install_error_handlers,
+)
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware, replay_body
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
@@ -247,6 +252,7 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
         protected=lambda path: path.startswith("/v1/"),
         on_failure=metrics.auth_failures.inc,
     )
+    app.add_middleware(ServerErrors)  # a bug anywhere inside: an OpenAI 500
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
@@ -343,6 +349,12 @@ class DirectRoutes:
             parsed = model.model_validate(raw) if isinstance(raw, dict) else None
         except (ValueError, ValidationError):
             parsed = None
+        except RecursionError:
+            # Nested deeper than the parser recurses: FastAPI's parsing would hit the same.
+            await error_response(400, "The request body is not valid JSON: nested too deeply.")(
+                scope, receive, send
+            )
+            return
         if parsed is None:
             await self.app(scope, replay_body(body, receive), send)
             return

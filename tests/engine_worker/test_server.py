@@ -389,3 +389,40 @@ def test_bad_sent_ids_get_a_400(worker_url: str, ids: list[int]) -> None:
     assert r.status_code == 400, r.text
     assert "tokenized_prompt" in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
     wait_idle(worker_url)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi \ud800", "max_tokens": 2}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "\udfff"}], "max_tokens": 2},
+            "messages.0.content",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stop": ["ok", "\ud83c"]}, "stop.1"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70, "temperature": 1.0}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1, "temperature": 1.0}, "seed"),
+    ],
+)
+def test_input_that_broke_the_engine_or_tokenizer_is_a_400_and_the_worker_serves_on(
+    worker_url: str, path: str, body: dict[str, Any], param: str
+) -> None:
+    # Found live: seed 2**70 killed the engine loop (torch's manual_seed overflowed) and a
+    # lone surrogate (JSON's "\ud800" escape) was a 500 from the tokenizer.
+    r = httpx.post(
+        f"{worker_url}{path}", content=json.dumps({"model": MODEL, **body}).encode(),
+        headers={"content-type": "application/json"}, timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    # A temperature too small to divide by (found live too: NaN probabilities, the engine
+    # loop dead) samples greedily, on an engine that still serves.
+    prompt = {"model": MODEL, "prompt": "the worker serves on", "max_tokens": 5}
+    greedy = post(worker_url, "/v1/completions", {**prompt, "temperature": 0})
+    tiny = post(worker_url, "/v1/completions", {**prompt, "temperature": 1e-300})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert httpx.get(f"{worker_url}/health").status_code == 200
+    wait_idle(worker_url)

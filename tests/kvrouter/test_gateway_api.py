@@ -160,6 +160,26 @@ def test_request_id_is_echoed_and_the_decision_is_explained_on_request(cluster: 
             400,
             "context_length_exceeded",
         ),
+        # Found live, each a 500 from the gateway: a lone surrogate (the tokenizer's
+        # TypeError), a body nested past the JSON parser's recursion, and a seed past 64
+        # bits (which killed the worker's engine loop).
+        (
+            {
+                "content": json.dumps({"model": MODEL, "prompt": "x \ud800"}).encode(),
+                "headers": {"content-type": "application/json"},
+            },
+            400,
+            None,
+        ),
+        (
+            {
+                "content": b'{"model": "tiny", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+                "headers": {"content-type": "application/json"},
+            },
+            400,
+            None,
+        ),
+        ({"json": {"model": MODEL, "prompt": "x", "seed": 2**64, "temperature": 1}}, 400, None),
     ],
 )
 def test_bad_input_gets_openai_errors(
