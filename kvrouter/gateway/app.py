@@ -457,6 +457,10 @@ async def _open(
     # The worker uses these ids instead of tokenizing the prompt again (when its tokenizer
     # is ours); what a client sent in this field is never passed on.
     raw.pop("tokenized_prompt", None)
+    # Neither is a client's kv_transfer_params: PD and pooling are the gateway's to plan,
+    # and a worker told to pull from a client's remote_host would connect there with the
+    # fleet's internal token (or hold a prefill lease nobody claims).
+    raw.pop("kv_transfer_params", None)
     if (sent := gw.router.tokenized_prompt(body, routed.ids)) is not None:
         raw["tokenized_prompt"] = sent
     prefill_tokens = prefill_tokens_of(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -354,4 +357,52 @@ def test_workers_get_the_prompt_tokenized_and_answer_as_if_they_had_tokenized_it
     after = _prompt_ids_counts(cluster)
     assert after.get("sent", 0) - before.get("sent", 0) == 3
     assert after.get("tokenized", 0) == before.get("tokenized", 0)
+    wait_unloaded(cluster)
+
+
+def test_a_clients_kv_transfer_params_never_reach_a_worker(cluster: Cluster) -> None:
+    # Found by fuzzing `make run`: the gateway passed a client's kv_transfer_params on,
+    # and the worker pulled the prompt's blocks from the remote_host the client named,
+    # sending the fleet's internal token there. PD and pooling are the gateway's to plan.
+    seen: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    seen.append(conn.recv(4096))
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    headers = {"authorization": "Bearer sk-test"}
+    pull = {
+        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+        "remote_block_ids": [1, 2, 3], "remote_engine_id": "x", "remote_request_id": "y",
+    }  # fmt: skip
+    try:
+        for params in (pull, {"do_remote_decode": True}):
+            body = {"model": MODEL, "prompt": "a client posing as a router", "max_tokens": 3,
+                    "temperature": 0, "kv_transfer_params": params}  # fmt: skip
+            r = httpx.post(f"{cluster.gateway}/v1/completions", json=body, headers=headers,
+                           timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            # A whole answer, not a prefill hand-off (which would also hold a lease).
+            assert answer["usage"]["completion_tokens"] == 3
+            assert "kv_transfer_params" not in answer
+        time.sleep(0.3)
+        assert seen == []
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
     wait_unloaded(cluster)
