@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from indexer.media import Medium
 from indexer.profile import TimingProfile
 from indexer.wire import EVENT_FIELD, Keyspace
 from tests.support.redis_proc import free_port
-from tests.support.servers import serve_app
+from tests.support.servers import serve_app, tcp_listener
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -355,42 +354,24 @@ def test_blocks_of_another_kv_layout_are_refused(trio: list[str]) -> None:
 @contextlib.contextmanager
 def tampering_source(data_port: int, tamper: Callable[[bytes], bytes]) -> Iterator[str]:
     """A source URL whose data socket relays a real worker's transfers, ``tamper``ed."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    # Closing a socket does not wake a thread blocked in its accept(): poll a flag.
-    listener.settimeout(0.05)
-    done = threading.Event()
 
-    def relay() -> None:
-        while not done.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            with conn, socket.create_connection(("127.0.0.1", data_port)) as up:
-                frame = conn.recv(8, socket.MSG_WAITALL)
-                body = conn.recv(int.from_bytes(frame[4:], "big"), socket.MSG_WAITALL)
-                up.sendall(frame + body)
-                answer = bytearray()
-                while chunk := up.recv(1 << 20):
-                    answer += chunk
-                conn.sendall(tamper(bytes(answer)))
+    def relay(conn: socket.socket) -> None:
+        with socket.create_connection(("127.0.0.1", data_port)) as up:
+            frame = conn.recv(8, socket.MSG_WAITALL)
+            body = conn.recv(int.from_bytes(frame[4:], "big"), socket.MSG_WAITALL)
+            up.sendall(frame + body)
+            answer = bytearray()
+            while chunk := up.recv(1 << 20):
+                answer += chunk
+            conn.sendall(tamper(bytes(answer)))
 
-    async def endpoint(request: Request) -> JSONResponse:
-        return JSONResponse({"port": listener.getsockname()[1]})
+    with tcp_listener(relay) as port:
 
-    thread = threading.Thread(target=relay, daemon=True)
-    thread.start()
-    try:
+        async def endpoint(request: Request) -> JSONResponse:
+            return JSONResponse({"port": port})
+
         with serve_app(Starlette(routes=[Route("/kv/endpoint", endpoint)])) as url:
             yield url
-    finally:
-        done.set()
-        thread.join(10)
-        assert not thread.is_alive()
-        listener.close()
 
 
 def _flip(data: bytes) -> bytes:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +12,7 @@ import openai
 import pytest
 
 from tests.support.cluster import Cluster, run_cluster
+from tests.support.servers import tcp_listener
 
 MODEL = "tiny"
 
@@ -365,30 +363,12 @@ def test_a_clients_kv_transfer_params_never_reach_a_worker(cluster: Cluster) -> 
     # and the worker pulled the prompt's blocks from the remote_host the client named,
     # sending the fleet's internal token there. PD and pooling are the gateway's to plan.
     seen: list[bytes] = []
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(1.0)
-                with contextlib.suppress(OSError):
-                    seen.append(conn.recv(4096))
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    port = listener.getsockname()[1]
     headers = {"authorization": "Bearer sk-test"}
-    pull = {
-        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
-        "remote_block_ids": [1, 2, 3], "remote_engine_id": "x", "remote_request_id": "y",
-    }  # fmt: skip
-    try:
+    with tcp_listener(lambda conn: seen.append(conn.recv(4096))) as port:
+        pull = {
+            "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+            "remote_block_ids": [1, 2, 3], "remote_engine_id": "x", "remote_request_id": "y",
+        }  # fmt: skip
         for params in (pull, {"do_remote_decode": True}):
             body = {"model": MODEL, "prompt": "a client posing as a router", "max_tokens": 3,
                     "temperature": 0, "kv_transfer_params": params}  # fmt: skip
@@ -400,9 +380,5 @@ def test_a_clients_kv_transfer_params_never_reach_a_worker(cluster: Cluster) -> 
             assert answer["usage"]["completion_tokens"] == 3
             assert "kv_transfer_params" not in answer
         time.sleep(0.3)
-        assert seen == []
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+    assert seen == []
     wait_unloaded(cluster)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -151,3 +151,35 @@ class ServerProcess:
     def logs(self) -> str:
         """What the process printed."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextmanager
+def tcp_listener(handle: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A loopback TCP listener handing each connection to ``handle`` (then closing it) on
+    a thread; yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    # Closing a socket does not wake a thread blocked in its accept(): poll a flag.
+    listener.settimeout(0.05)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            with conn:
+                handle(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        done.set()
+        thread.join(10)
+        assert not thread.is_alive()
+        listener.close()
