@@ -28,6 +28,7 @@ from pydantic import (
 from engine_worker.request import SEED_RANGE
 
 __all__ = [
+    "CLIENT_CLOSED",
     "FIRST_TOKEN_HEADER",
     "MARK_FIRST_TOKEN_HEADER",
     "ApiError",
@@ -51,6 +52,10 @@ __all__ = [
 MARK_FIRST_TOKEN_HEADER = "x-kvworker-mark-first-token"
 #: The response header that says the first byte was sent at the first token.
 FIRST_TOKEN_HEADER = "x-kvworker-first-token"
+
+#: The status of a request whose client closed the connection first (nginx's 499): in
+#: access logs and metrics only, nobody reads the response.
+CLIENT_CLOSED = 499
 
 #: Token ids are unsigned 32-bit on the wire and in block keys (DESIGN.md); any model's
 #: vocabulary is far smaller, and each server checks its own bound on top of this one.

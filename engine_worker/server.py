@@ -25,6 +25,7 @@ from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import (
+    CLIENT_CLOSED,
     FIRST_TOKEN_HEADER,
     MARK_FIRST_TOKEN_HEADER,
     ApiError,
@@ -33,6 +34,7 @@ from engine_worker.protocol import (
     now_s,
 )
 from engine_worker.serving import (
+    ClientGone,
     Generation,
     Prepared,
     full_body,
@@ -142,13 +144,17 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **rid},
             )
-        if request.headers.get(MARK_FIRST_TOKEN_HEADER):
-            return StreamingResponse(
-                await marked_body(gen),
-                media_type="application/json",
-                headers={FIRST_TOKEN_HEADER: "marked", **rid},
-            )
-        return JSONResponse(await full_body(gen), headers=rid)
+        try:
+            if request.headers.get(MARK_FIRST_TOKEN_HEADER):
+                return StreamingResponse(
+                    await marked_body(gen),
+                    media_type="application/json",
+                    headers={FIRST_TOKEN_HEADER: "marked", **rid},
+                )
+            return JSONResponse(await full_body(gen), headers=rid)
+        except ClientGone:
+            # Aborted on the engine already; the status is for the access log only.
+            return Response(status_code=CLIENT_CLOSED, headers=rid)
 
     @app.post("/v1/completions")
     async def completions(

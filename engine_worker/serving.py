@@ -11,6 +11,7 @@ blocks return to the pool at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +37,7 @@ from engine_worker.scheduler import RequestTooLargeError
 from engine_worker.worker import Worker
 from indexer.media import MEDIA, Medium
 
-__all__ = ["Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
+__all__ = ["ClientGone", "Generation", "Prepared", "prepare_chat", "prepare_completion", "sse"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,15 @@ def _with_pd(prep: Prepared, body: CompletionRequest | ChatCompletionRequest) ->
     return prep
 
 
+class ClientGone(Exception):  # noqa: N818 - an event, not an error
+    """The client closed its connection while its request ran: the request was aborted.
+
+    Not ``asyncio.CancelledError``: nothing cancelled the handler, which answers it by
+    ending quietly (a 499 nobody reads, or the end of a streamed body), where a
+    cancellation rising out of it is logged by the server as an ASGI failure.
+    """
+
+
 @dataclass(slots=True)
 class Delta:
     """New text of a request, and its end."""
@@ -369,7 +379,7 @@ class Generation:
                 return await asyncio.wait_for(queue.get(), _CANCEL_POLL_S)
             except TimeoutError:
                 if await self.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected") from None
+                    raise ClientGone(self.prep.request_id) from None
 
     def _record(self, t0: float, first_at: float | None, last: float) -> None:
         m = self.worker.metrics
@@ -453,6 +463,8 @@ async def stream_body(gen: Generation) -> AsyncIterator[bytes]:
         yield sse({"error": exc.body()["error"]})
         yield sse("[DONE]")
         return
+    except ClientGone:
+        return  # nobody to send the rest to
     if p.include_usage:
         chunk = chat_chunk(p, {}, None, created) if chat else completion_chunk(p, "", None, created)
         chunk["choices"] = []
@@ -514,7 +526,8 @@ async def marked_body(gen: Generation) -> AsyncIterator[bytes]:
     async def body() -> AsyncIterator[bytes]:
         try:
             yield b" "
-            yield json.dumps(await full_body(gen, rest())).encode()
+            with contextlib.suppress(ClientGone):  # nobody to send the body to
+                yield json.dumps(await full_body(gen, rest())).encode()
         finally:
             await deltas.aclose()  # aborts the request on the engine if it did not end
 

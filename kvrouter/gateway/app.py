@@ -38,7 +38,13 @@ from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware,
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
-from engine_worker.protocol import ApiError, ChatCompletionRequest, CompletionRequest, new_id
+from engine_worker.protocol import (
+    CLIENT_CLOSED,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+)
 from engine_worker.tokenizer import load_tokenizer
 from indexer.index.mirror import IndexMirror
 from indexer.index.redis_index import RedisIndex
@@ -66,9 +72,6 @@ log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _T = TypeVar("_T")
-
-#: The status counted for a request whose client left before its answer (nginx's 499).
-CLIENT_CLOSED = 499
 
 
 @dataclass(slots=True)

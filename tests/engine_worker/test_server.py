@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -248,6 +249,38 @@ def test_client_disconnect_mid_stream_frees_its_blocks(worker_url: str) -> None:
     # Leaving the block closed the connection: the worker must abort and free everything.
     s = wait_idle(worker_url)
     assert s["in_use_blocks"] == 0
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_client_that_leaves_a_queued_request_ends_it_quietly(
+    marked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found in `make run`'s logs under a burst: every non-streaming request whose client
+    # left while it queued logged an ERROR with a traceback ("Exception in ASGI
+    # application": CancelledError("client disconnected")), which error-rate alerts count.
+    settings = WorkerSettings(model="tiny", runner="torch", hbm_blocks=256, max_model_len=1024,
+                              max_num_seqs=1, max_num_batched_tokens=256)  # fmt: skip
+    server_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate
+    with serve_app(create_app(settings)) as url, caplog.at_level(logging.INFO):
+        server_log.addHandler(caplog.handler)  # after uvicorn's start, which resets them
+        try:
+            long = {"model": MODEL, "prompt": "busy", "max_tokens": 900, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as busy:
+                lines = busy.iter_lines()  # kept: a dropped iterator closes the stream
+                assert next(lines).startswith("data: ")  # it runs, in the one sequence slot
+                body = {"model": MODEL, "prompt": "queued", "max_tokens": 4}
+                headers = {MARK_FIRST_TOKEN_HEADER: "1"} if marked else {}
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=0.6)
+                assert stats(url)["waiting"] == 1
+                time.sleep(0.6)  # the worker notices within a poll (0.25 s)
+                assert stats(url)["waiting"] == 0  # aborted while it queued
+            wait_idle(url)
+        finally:
+            server_log.removeHandler(caplog.handler)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
 
 
 def test_metrics_are_exported(worker_url: str) -> None:
