@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response models, shared by the worker and the gateway.
 
 Only what kvrouter serves: completions and chat completions (n=1; asking for
-``logprobs`` is a 400), SSE streaming, ``usage`` with
+``logprobs`` is a 400; OpenAI's penalties and ``logit_bias``, vLLM's
+``repetition_penalty``), SSE streaming, ``usage`` with
 ``prompt_tokens_details.cached_tokens`` plus our extension
 ``cached_tokens_by_medium``, and the PD extension
 ``kv_transfer_params``, and the gateway's ``tokenized_prompt`` (the prompt's token
@@ -131,6 +132,12 @@ class _SamplingFields(_Lenient):
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    logit_bias: (
+        dict[Text, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -146,6 +153,15 @@ class _SamplingFields(_Lenient):
             raise ValueError("at most 16 stop sequences")
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and not all(k.isdigit() and int(k) < _TOKEN_ID_END for k in v):
+            raise ValueError("logit_bias keys must be token ids (decimal strings)")
+        if v is not None and len(v) > 300:  # OpenAI's own bound
+            raise ValueError("at most 300 logit_bias entries")
         return v
 
     def stop_list(self) -> list[str]:

@@ -54,6 +54,12 @@ class SamplingParams:
 
     ``temperature`` below :data:`GREEDY_BELOW` (0 included) means greedy. ``top_k == 0``
     disables top-k. ``seed`` lies in :data:`SEED_RANGE`.
+
+    Penalties change the logits before any sampling, greedy included, as OpenAI's API
+    defines them (``presence_penalty`` and ``frequency_penalty`` in [-2, 2], on the
+    tokens generated so far; ``logit_bias`` in [-100, 100] per token id) and as vLLM
+    adds ``repetition_penalty`` (> 0; CTRL's rule on the prompt's and the output's
+    tokens: a positive logit divided by it, a negative one multiplied).
     """
 
     max_tokens: int = 16
@@ -63,6 +69,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,11 +85,30 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         """Whether sampling is argmax."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 @dataclass(slots=True, eq=False)

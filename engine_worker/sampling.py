@@ -20,7 +20,7 @@ import torch
 
 from engine_worker.request import SamplingParams
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "penalize"]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,26 @@ class Sampler:
         return gen
 
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[str]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        tokens: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[int]:
-        """One token per row of ``logits`` ([n, vocab], float32)."""
+        """One token per row of ``logits`` ([n, vocab], float32).
+
+        ``tokens``: each row's (prompt, output) token ids, which penalties read (needed
+        when any row's parameters are ``penalized``).
+        """
         if logits.shape[0] != len(params):
             raise ValueError("one SamplingParams per row of logits")
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            if tokens is None or len(tokens) != len(params):
+                raise ValueError("penalties need each row's prompt and output token ids")
+            logits = logits.float().clone()
+            for i in penalized:
+                penalize(logits[i], params[i], *tokens[i])
         greedy = logits.argmax(dim=-1)
         out: list[int] = greedy.tolist()
         for i, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
@@ -85,3 +100,32 @@ class Sampler:
         if not bool(torch.isfinite(probs).all()):
             return None
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def penalize(
+    row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+) -> None:
+    """Apply ``p``'s logit bias and penalties to one row of logits, in place.
+
+    In vLLM's order: the bias first, then the repetition penalty on every token of the
+    prompt and the output so far, then the frequency and presence penalties on the
+    output's tokens, ``logit -= frequency * count + presence * (count > 0)`` (OpenAI's
+    definition, ``platform.openai.com/docs/advanced-usage``, "Frequency and presence
+    penalties").
+    """
+    vocab = row.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
+        bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
+        keep = ids < vocab
+        row.index_add_(0, ids[keep], bias[keep])
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted({*prompt, *output}), device=row.device)
+        seen = seen[seen < vocab]
+        picked = row[seen]
+        rp = p.repetition_penalty
+        row[seen] = torch.where(picked > 0, picked / rp, picked * rp)
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        ids = torch.tensor(output, device=row.device)
+        counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -92,9 +92,24 @@ def _sampling(worker: Worker, body: CompletionRequest | ChatCompletionRequest, n
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=_logit_bias(worker, body.logit_bias),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
+
+
+def _logit_bias(worker: Worker, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs; an id outside the vocabulary is a 400."""
+    if not bias:
+        return ()
+    vocab = worker.tokenizer.vocab_size
+    pairs = tuple((int(k), v) for k, v in bias.items())
+    if any(t >= vocab for t, _ in pairs):
+        raise ApiError(400, f"logit_bias token ids must be < {vocab}", param="logit_bias")
+    return pairs
 
 
 def _check_model(worker: Worker, model: str) -> None:

@@ -64,7 +64,10 @@ class TorchRunner:
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device), seqs)
         logits = self.model(batch, self.kv_cache)
         tokens = self.sampler.sample(
-            logits, [r.sampling for r in wanted], [r.request_id for r in wanted]
+            logits,
+            [r.sampling for r in wanted],
+            [r.request_id for r in wanted],
+            [(r.prompt_token_ids, r.output_token_ids) for r in wanted],
         )
         sampled = {r.request_id: t for r, t in zip(wanted, tokens, strict=True)}
         if self.device.type == "cuda":

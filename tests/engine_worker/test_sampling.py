@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_worker.request import SamplingParams
-from engine_worker.sampling import Sampler
+from engine_worker.sampling import Sampler, penalize
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]])
 
@@ -78,3 +78,44 @@ def test_a_seed_beyond_64_bits_is_refused_before_it_reaches_a_generator(seed: in
         SamplingParams(temperature=1.0, seed=seed)
     for ok in (2**63 - 1, -(2**63), 0):
         assert draws(SamplingParams(temperature=1.0, seed=ok), n=3)
+
+
+def test_frequency_and_presence_penalties_follow_openais_definition() -> None:
+    # logit -= frequency * count + presence * (count > 0), on the output's tokens only.
+    row = LOGITS[0].clone()
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.1, presence_penalty=0.2)
+    penalize(row, p, prompt=[2, 2, 2], output=[1, 1, 4])
+    assert row.tolist() == pytest.approx([0.0, 3.0 - 0.2 - 0.2, 2.9, -1.0, 1.0 - 0.1 - 0.2])
+    # Greedy sampling reads the penalized logits: token 1 lost its lead to token 2.
+    s = Sampler()
+    assert s.sample(LOGITS, [p], ["r"], [([2, 2, 2], [1, 1, 4])]) == [2]
+    assert s.sample(LOGITS, [SamplingParams(temperature=0.0)], ["r"]) == [1]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    row = LOGITS[0].clone()
+    penalize(row, SamplingParams(repetition_penalty=2.0), prompt=[2], output=[3])
+    assert row.tolist() == pytest.approx([0.0, 3.0, 1.45, -2.0, 1.0])
+
+
+def test_logit_bias_adds_to_the_named_tokens() -> None:
+    p = SamplingParams(temperature=0.0, logit_bias=((4, 100.0), (1, -100.0)))
+    assert Sampler().sample(LOGITS, [p], ["r"], [([], [])]) == [4]
+    banned = SamplingParams(temperature=1.0, logit_bias=((0, -100.0),))
+    s = Sampler(seed=3)
+    got = {s.sample(LOGITS, [banned], [f"r{i}"], [([], [])])[0] for i in range(300)}
+    assert 0 not in got
+    assert len(got) >= 3
+
+
+def test_penalties_need_the_rows_tokens_and_sane_values() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        Sampler().sample(LOGITS, [SamplingParams(presence_penalty=1.0)], ["r"])
+    for bad in (
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": float("nan")},
+        {"repetition_penalty": 0.0},
+        {"logit_bias": ((1, 101.0),)},
+    ):
+        with pytest.raises(ValueError, match=r"penalty|logit_bias"):
+            SamplingParams(**bad)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -459,3 +460,45 @@ def test_input_that_broke_the_engine_or_tokenizer_is_a_400_and_the_worker_serves
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
     assert httpx.get(f"{worker_url}/health").status_code == 200
     wait_idle(worker_url)
+
+
+def test_penalties_and_logit_bias_change_what_the_model_generates(worker_url: str) -> None:
+    # They were accepted and silently ignored: a client asking the tiny model (which
+    # repeats itself) for less repetition got the same text.
+    from engine_worker.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL)
+    base = {"model": MODEL, "prompt": "the the the", "max_tokens": 12, "temperature": 0}
+
+    def ids(extra: dict[str, Any]) -> list[int]:
+        r = post(worker_url, "/v1/completions", {**base, **extra})
+        assert r.status_code == 200, r.text
+        text: str = r.json()["choices"][0]["text"]
+        # As the text reads back (not always the ids generated): enough to count repeats.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    plain = ids({})
+    assert max(Counter(plain).values()) > 3  # it repeats a token
+    penalized = ids({"presence_penalty": 2.0, "frequency_penalty": 2.0})
+    assert max(Counter(penalized).values()) < max(Counter(plain).values())
+    assert ids({"repetition_penalty": 1.0}) == plain  # 1.0 is no penalty
+    forced = ids({"logit_bias": {str(plain[0]): -100}})
+    assert plain[0] not in forced[:1]
+    wait_idle(worker_url)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ],
+)
+def test_bad_penalties_get_a_400(worker_url: str, extra: dict[str, Any], param: str) -> None:
+    r = post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "hi", **extra})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"] or "").startswith(param)

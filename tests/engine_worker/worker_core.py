@@ -43,12 +43,13 @@ class RecordingSampler(Sampler):
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
+        tokens: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[int]:
         """Record first rows, then sample as the base sampler does."""
         for i, rid in enumerate(request_ids):
             if rid not in self.first_logits:
                 self.first_logits[rid] = logits[i].detach().to("cpu", copy=True)
-        return super().sample(logits, params, request_ids)
+        return super().sample(logits, params, request_ids, tokens)
 
 
 @dataclass
