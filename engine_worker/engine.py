@@ -235,6 +235,8 @@ class EngineLoop:
             self.sink.put_events(events)
 
     def _deliver(self, request_id: str, ev: TokenEvent) -> None:
+        if ev.finished:
+            self.runner.forget(request_id)  # its seeded generator, its prompt's ids
         consumer = self._consumers.get(request_id)
         if consumer is None:
             return

@@ -33,10 +33,23 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        #: Per request, its prompt's distinct token ids (what a repetition penalty reads
+        #: every step; a 100K-token prompt is not gone through again at each one).
+        self._prompts: dict[str, torch.Tensor] = {}
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's generator."""
+        """Drop a finished request's generator and prompt ids."""
         self._seeded.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    def _prompt(self, request_id: str, p: SamplingParams, prompt: Sequence[int]) -> torch.Tensor:
+        if p.repetition_penalty == 1.0:
+            return _NONE
+        ids = self._prompts.get(request_id)
+        if ids is None:
+            ids = torch.tensor(sorted(set(prompt)), dtype=torch.long)
+            self._prompts[request_id] = ids
+        return ids
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -68,7 +81,9 @@ class Sampler:
                 raise ValueError("penalties need each row's prompt and output token ids")
             logits = logits.float().clone()
             for i in penalized:
-                penalize(logits[i], params[i], *tokens[i])
+                prompt, output = tokens[i]
+                seen = self._prompt(request_ids[i], params[i], prompt)
+                penalize(logits[i], params[i], seen, output)
         greedy = logits.argmax(dim=-1)
         out: list[int] = greedy.tolist()
         for i, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
@@ -102,13 +117,18 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+#: No prompt ids (no repetition penalty to read them).
+_NONE = torch.zeros(0, dtype=torch.long)
+
+
 def penalize(
-    row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+    row: torch.Tensor, p: SamplingParams, prompt: torch.Tensor, output: Sequence[int]
 ) -> None:
     """Apply ``p``'s logit bias and penalties to one row of logits, in place.
 
-    In vLLM's order: the bias first, then the repetition penalty on every token of the
-    prompt and the output so far, then the frequency and presence penalties on the
+    ``prompt``: the prompt's distinct token ids (only the repetition penalty reads
+    them). In vLLM's order: the bias first, then the repetition penalty on every token
+    of the prompt and the output so far, then the frequency and presence penalties on the
     output's tokens, ``logit -= frequency * count + presence * (count > 0)`` (OpenAI's
     definition, ``platform.openai.com/docs/advanced-usage``, "Frequency and presence
     penalties").
@@ -119,8 +139,9 @@ def penalize(
         bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
         keep = ids < vocab
         row.index_add_(0, ids[keep], bias[keep])
-    if p.repetition_penalty != 1.0 and (prompt or output):
-        seen = torch.tensor(sorted({*prompt, *output}), device=row.device)
+    if p.repetition_penalty != 1.0 and (len(prompt) or output):
+        both = torch.cat([prompt, torch.tensor(output, dtype=torch.long)]).to(row.device)
+        seen = torch.unique(both)
         seen = seen[seen < vocab]
         picked = row[seen]
         rp = p.repetition_penalty

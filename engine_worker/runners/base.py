@@ -39,3 +39,7 @@ class Runner(Protocol):
     def profile(self) -> TimingProfile:
         """The runner's current timing model (fitted from measurements for ``torch``)."""
         ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the runner keeps for a request that ended (its sampler state)."""
+        ...

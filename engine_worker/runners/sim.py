@@ -62,11 +62,15 @@ class SimRunner:
         """The timing model in use."""
         return self._profile
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's token base."""
+        self._bases.pop(request_id, None)
+
     def _token(self, request_id: str, position: int) -> int:
         base = self._bases.get(request_id)
         if base is None:
             if len(self._bases) > 65536:
-                self._bases.clear()  # forget finished requests; a base is cheap to recompute
+                self._bases.clear()  # a bound whatever forget is told; cheap to recompute
             base = self._bases[request_id] = xxhash.xxh3_64_intdigest(request_id.encode())
         token = (base + position * _STEP) % self.vocab_size
         while token in self.avoid:

@@ -84,7 +84,7 @@ def test_frequency_and_presence_penalties_follow_openais_definition() -> None:
     # logit -= frequency * count + presence * (count > 0), on the output's tokens only.
     row = LOGITS[0].clone()
     p = SamplingParams(temperature=0.0, frequency_penalty=0.1, presence_penalty=0.2)
-    penalize(row, p, prompt=[2, 2, 2], output=[1, 1, 4])
+    penalize(row, p, prompt=torch.tensor([2]), output=[1, 1, 4])
     assert row.tolist() == pytest.approx([0.0, 3.0 - 0.2 - 0.2, 2.9, -1.0, 1.0 - 0.1 - 0.2])
     # Greedy sampling reads the penalized logits: token 1 lost its lead to token 2.
     s = Sampler()
@@ -94,7 +94,14 @@ def test_frequency_and_presence_penalties_follow_openais_definition() -> None:
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     row = LOGITS[0].clone()
-    penalize(row, SamplingParams(repetition_penalty=2.0), prompt=[2], output=[3])
+    penalize(row, SamplingParams(repetition_penalty=2.0), prompt=torch.tensor([2]), output=[3])
+    # Through the sampler, the prompt's ids are read once per request, not every step.
+    s = Sampler()
+    rp = SamplingParams(temperature=0.0, repetition_penalty=4.0)
+    assert s.sample(LOGITS, [rp], ["r"], [([1, 2, 2], [])]) == [4]  # 3 -> 0.75, 2.9 -> 0.725
+    assert s._prompts["r"].tolist() == [1, 2]
+    s.forget("r")
+    assert "r" not in s._prompts
     assert row.tolist() == pytest.approx([0.0, 3.0, 1.45, -2.0, 1.0])
 
 

@@ -502,3 +502,26 @@ def test_bad_penalties_get_a_400(worker_url: str, extra: dict[str, Any], param: 
     r = post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "hi", **extra})
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"] or "").startswith(param)
+
+
+def test_a_finished_requests_sampler_state_is_dropped() -> None:
+    # TorchRunner.forget existed but nothing called it: every seeded request left a
+    # torch.Generator behind for the life of the worker.
+    settings = WorkerSettings(model="tiny", runner="torch", hbm_blocks=256, max_model_len=1024)
+    app = create_app(settings)
+    with serve_app(app) as url:
+        sampler = app.state.worker.engine.runner.sampler
+        for i in range(6):
+            body = {"model": MODEL, "prompt": f"seeded {i}", "max_tokens": 3,
+                    "temperature": 1.0, "seed": i, "repetition_penalty": 1.2}  # fmt: skip
+            assert post(url, "/v1/completions", body).status_code == 200
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", timeout=60,
+            json={"model": MODEL, "prompt": "left", "max_tokens": 500, "ignore_eos": True,
+                  "seed": 7, "stream": True},
+        ) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # then the client leaves: an abort
+        wait_idle(url)
+        assert sampler._seeded == {}
+        assert sampler._prompts == {}
