@@ -59,7 +59,7 @@ from kvrouter.gateway.limits import RateLimiter, client_id, over_slo
 from kvrouter.gateway.load import Load, LoadTracker, admission_load
 from kvrouter.gateway.metrics import RouterMetrics
 from kvrouter.gateway.pd import PdPlan, PdPlanner
-from kvrouter.gateway.routing import ModelTokens, Routed, Router
+from kvrouter.gateway.routing import ModelTokens, Routed, Router, unknown_model
 from kvrouter.gateway.settings import RouterSettings
 from kvrouter.gateway.upstream import HttpPool, UpstreamError
 from kvrouter.logs import request_id_var
@@ -265,11 +265,23 @@ def create_app(settings: RouterSettings, *, registry: CollectorRegistry | None =
     async def chat(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
         return await _handle(gw, "chat", "/v1/chat/completions", body, request)
 
+    def served(gw: Gateway) -> dict[str, dict[str, Any]]:
+        models = [m for m in gw.directory.served_models() if m in gw.router.models]
+        return {
+            m: {"id": m, "object": "model", "created": 0, "owned_by": "kvrouter"} for m in models
+        }
+
     @app.get("/v1/models")
     async def models(gw: GatewayDep) -> dict[str, Any]:
-        served = [m for m in gw.directory.served_models() if m in gw.router.models]
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvrouter"} for m in served]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": list(served(gw).values())}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, gw: GatewayDep) -> dict[str, Any]:
+        # The openai SDK's models.retrieve(); a model id may hold slashes (org/name).
+        found = served(gw).get(model)
+        if found is None:
+            raise unknown_model(model)
+        return found
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -36,13 +36,19 @@ from kvrouter.gateway.prompt_tokens import PromptTokenizer, PromptTooLongError
 from kvrouter.router_core import RouterCore, candidates, overlay, route_request
 from policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
-__all__ = ["ModelTokens", "Routed", "Router"]
+__all__ = ["ModelTokens", "Routed", "Router", "unknown_model"]
 
 log = logging.getLogger(__name__)
 
 #: Prompts longer than this (characters) are rendered and tokenized in a worker thread;
 #: shorter ones cost less than the hop to the thread.
 OFFLOAD_CHARS = 16 * 1024
+
+
+def unknown_model(model: str) -> ApiError:
+    """The 404 for a model the gateway does not route (OpenAI's ``model_not_found``)."""
+    return ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError",
+                    param="model", code="model_not_found")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -133,13 +139,7 @@ class Router:
         """Token ids of the request's prompt, exactly as the worker will compute them."""
         mt = self.models.get(body.model)
         if mt is None:
-            raise ApiError(
-                404,
-                f"The model `{body.model}` does not exist.",
-                type_="NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(body.model)
         if isinstance(body, ChatCompletionRequest):
             if mt.chat_template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions")

@@ -76,6 +76,11 @@ def test_chat_and_completions_through_the_openai_client(client: openai.OpenAI) -
     assert comp.choices[0].text
     assert comp.choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # models.retrieve() (GET /v1/models/{id}) was a bare 404 from the router.
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/no-such-model")
+    assert missing.value.code == "model_not_found"
 
 
 def test_streaming_through_the_openai_client(client: openai.OpenAI) -> None:
