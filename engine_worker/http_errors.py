@@ -71,12 +71,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors: list[dict[str, Any]] = list(exc.errors())
         # Where every member of a union failed, pydantic lists each member's error: the
-        # one our own validators raised (a value error) says what is wrong, the others
-        # only that the value is not of their type.
-        first = next((e for e in errors if e.get("type") == "value_error"), None)
-        first = first or (errors[0] if errors else {})
+        # one our own validators raised (a value error) says what is wrong, else the one
+        # of the member that got furthest in (an image part: `content.0.type` should be
+        # 'text'), not that the value is not a string.
+        ours = [e for e in errors if e.get("type") == "value_error"]
+        first = max(ours or errors, key=lambda e: len(e.get("loc", ())), default={})
         loc = [
             str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_MEMBER.match(str(x))
         ]

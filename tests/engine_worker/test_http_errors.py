@@ -3,17 +3,19 @@ gateway install the same handlers (``engine_worker.http_errors``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from engine_worker.http_errors import ServerErrors, install_error_handlers
-from engine_worker.protocol import CompletionRequest
+from engine_worker.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.servers import serve_app
 
 
-def test_a_bug_is_an_openai_500_and_the_connection_serves_on() -> None:
-    # Found live: a bug's 500 was plain text, and the client's next request on the same
-    # connection was reset (uvicorn closes it after Starlette re-raises).
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(ServerErrors)
@@ -24,20 +26,52 @@ def test_a_bug_is_an_openai_500_and_the_connection_serves_on() -> None:
             raise KeyError("a bug in a handler")
         return {"ok": "yes"}
 
-    with serve_app(app) as url, httpx.Client(base_url=url) as client:
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "bug"})
-        assert r.status_code == 500
-        err = r.json()["error"]
-        assert err["type"] == "server_error"
-        assert "KeyError" in err["message"]
-        # Where every member of a union failed, the error names the field, and the
-        # validator's own message rather than "not a valid string".
-        r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
-        assert r.status_code == 400
-        assert r.json()["error"]["param"] == "prompt"
-        assert "only one prompt" in r.json()["error"]["message"]
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "stop": [1]})
-        assert r.json()["error"]["param"] == "stop"
-        assert client.post("/v1/completions", json={"model": "m", "prompt": "ok"}).json() == {
-            "ok": "yes"
-        }
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> dict[str, str]:
+        return {"ok": "yes"}
+
+    with serve_app(app) as url, httpx.Client(base_url=url) as c:
+        yield c
+
+
+def test_a_bug_is_an_openai_500_and_the_connection_serves_on(client: httpx.Client) -> None:
+    # Found live: a bug's 500 was plain text, and the client's next request on the same
+    # connection was reset (uvicorn closes it after Starlette re-raises).
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "bug"})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error"
+    assert "KeyError" in err["message"]
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "ok"}).json() == {
+        "ok": "yes"
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        # Our validator's own message, not pydantic's "not a valid string" for the
+        # union's other members.
+        ("completions", {"prompt": ["a", "b"]}, "prompt", "only one prompt"),
+        ("completions", {"prompt": "x", "stop": ["ok", "\ud800"]}, "stop.1", "surrogate"),
+        ("completions", {"prompt": "x", "stop": [1]}, "stop.0", "valid string"),
+        # An image part: the text-part member got furthest in, and says what it wants.
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.type",
+            "'text'",
+        ),
+    ],
+)
+def test_a_union_fields_error_names_the_place_and_what_is_wrong(
+    client: httpx.Client, path: str, body: dict[str, object], param: str, says: str
+) -> None:
+    import json
+
+    r = client.post(f"/v1/{path}", content=json.dumps({"model": "m", **body}).encode(),
+                    headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param
+    assert says in err["message"]
