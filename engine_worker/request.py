@@ -53,7 +53,8 @@ class SamplingParams:
     """OpenAI sampling parameters, validated.
 
     ``temperature`` below :data:`GREEDY_BELOW` (0 included) means greedy. ``top_k == 0``
-    disables top-k. ``seed`` lies in :data:`SEED_RANGE`.
+    disables top-k; ``min_p`` (vLLM's) drops the tokens less likely than that fraction of
+    the likeliest one's probability. ``seed`` lies in :data:`SEED_RANGE`.
 
     Penalties change the logits before any sampling, greedy included, as OpenAI's API
     defines them (``presence_penalty`` and ``frequency_penalty`` in [-2, 2], on the
@@ -66,6 +67,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -83,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -114,6 +114,8 @@ class Sampler:
         probs = torch.softmax(scores, dim=-1)
         if not bool(torch.isfinite(probs).all()):
             return None
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

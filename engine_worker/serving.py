@@ -89,6 +89,7 @@ def _sampling(worker: Worker, body: CompletionRequest | ChatCompletionRequest, n
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
+            min_p=body.min_p,
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,

@@ -126,3 +126,11 @@ def test_penalties_need_the_rows_tokens_and_sane_values() -> None:
     ):
         with pytest.raises(ValueError, match=r"penalty|logit_bias"):
             SamplingParams(**bad)
+
+
+def test_min_p_drops_tokens_less_likely_than_a_fraction_of_the_likeliest() -> None:
+    # Probabilities at temperature 1: token 1 ~0.47, 2 ~0.43, 4 ~0.06, 0 ~0.02, 3 ~0.01.
+    assert draws(SamplingParams(temperature=1.0, min_p=0.5)) == {1, 2}
+    assert len(draws(SamplingParams(temperature=1.0, min_p=0.0))) >= 3
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

@@ -42,6 +42,7 @@ _fields: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([0, 0.7, 1.0, 1e-300, 1e-6, 2.0]),
     "top_p": st.floats(0.05, 1.0),
     "top_k": st.integers(-1, 100),
+    "min_p": st.floats(0.0, 1.0),
     "seed": st.integers(-(2**63), 2**63 - 1),
     "stop": st.one_of(_text, st.lists(_text, max_size=3)),
     "presence_penalty": st.floats(-2, 2),
