@@ -286,8 +286,11 @@ def rendered(prep: Prepared) -> dict[str, Any]:
         "token_ids": prep.prompt_ids,
         "sampling_params": {
             "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "top_k": sp.top_k, "seed": sp.seed, "stop": prep.stops,
+            "top_k": sp.top_k, "min_p": sp.min_p, "seed": sp.seed, "stop": prep.stops,
             "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos,
+            "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty,
+            "repetition_penalty": sp.repetition_penalty,
+            "logit_bias": {str(t): b for t, b in sp.logit_bias} or None,
         },
         "cache_salt": prep.cache_salt,
         "stream": prep.stream,

@@ -525,3 +525,20 @@ def test_a_finished_requests_sampler_state_is_dropped() -> None:
         wait_idle(url)
         assert sampler._seeded == {}
         assert sampler._prompts == {}
+
+
+def test_render_returns_the_prompts_ids_and_every_sampling_parameter(worker_url: str) -> None:
+    # vLLM's GenerateRequest shape, which vllm-router's kv_aware policy asks for.
+    body = {"model": MODEL, "prompt": "render me", "max_tokens": 3, "temperature": 0.5,
+            "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1, "logit_bias": {"5": -1.0}, "seed": 3}  # fmt: skip
+    r = post(worker_url, "/v1/completions/render", body)
+    assert r.status_code == 200, r.text
+    (out,) = r.json()  # completions: a list, one per prompt, as vLLM answers
+    from engine_worker.tokenizer import load_tokenizer
+
+    assert out["token_ids"] == load_tokenizer(MODEL).encode("render me")
+    sp = out["sampling_params"]
+    for name in ("max_tokens", "temperature", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "seed"):  # fmt: skip
+        assert sp[name] == body[name], name
