@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -272,11 +273,26 @@ def test_a_client_that_leaves_a_queued_request_ends_it_quietly(
                 assert next(lines).startswith("data: ")  # it runs, in the one sequence slot
                 body = {"model": MODEL, "prompt": "queued", "max_tokens": 4}
                 headers = {MARK_FIRST_TOKEN_HEADER: "1"} if marked else {}
-                with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=0.6)
-                assert stats(url)["waiting"] == 1
-                time.sleep(0.6)  # the worker notices within a poll (0.25 s)
-                assert stats(url)["waiting"] == 0  # aborted while it queued
+                left: list[BaseException] = []
+
+                def leave() -> None:
+                    try:
+                        httpx.post(f"{url}/v1/completions", json=body, headers=headers,
+                                   timeout=1.0)  # fmt: skip
+                    except httpx.ReadTimeout as exc:
+                        left.append(exc)
+
+                client = threading.Thread(target=leave)
+                client.start()
+                deadline = time.monotonic() + 5
+                while stats(url)["waiting"] != 1:  # queued behind the busy stream
+                    assert time.monotonic() < deadline, "the request never queued"
+                    time.sleep(0.02)
+                client.join(10)
+                assert left, "the client should have given up waiting"
+                while stats(url)["waiting"] != 0:  # aborted while it queued
+                    assert time.monotonic() < deadline + 5, "the request was not aborted"
+                    time.sleep(0.02)
             wait_idle(url)
         finally:
             server_log.removeHandler(caplog.handler)
