@@ -41,6 +41,7 @@ from engine_worker.serving import (
     marked_body,
     prepare_chat,
     prepare_completion,
+    to_first_token,
 )
 from engine_worker.serving import stream_body as _stream_body
 from engine_worker.settings import WorkerSettings
@@ -138,13 +139,14 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
 
     async def respond(gen: Generation, request: Request) -> Response:
         rid = {"X-Request-Id": gen.prep.request_id}
-        if gen.prep.stream:
-            return StreamingResponse(
-                _stream_body(gen),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **rid},
-            )
         try:
+            if gen.prep.stream:
+                deltas, close = await to_first_token(gen)
+                return StreamingResponse(
+                    _stream_body(gen, deltas, close),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", **rid},
+                )
             if request.headers.get(MARK_FIRST_TOKEN_HEADER):
                 return StreamingResponse(
                     await marked_body(gen),

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -448,20 +448,52 @@ def chat_chunk(
     }
 
 
-async def stream_body(gen: Generation) -> AsyncIterator[bytes]:
-    """SSE body of a streaming response, ``data: [DONE]`` last.
+#: What ends a request on the engine, if it has not ended, however its response ends.
+Close = Callable[[], Awaitable[None]]
 
-    NOTE: the opening chunk (chat's assistant role, completions' echo) goes
-    out with the first token, not before: the first byte then marks the end
-    of prefill, which is what the gateway's TTFT and its retry-before-first-
-    byte rule rely on.
+
+async def to_first_token(gen: Generation) -> tuple[AsyncIterator[Delta], Close]:
+    """Run ``gen`` to its first token: a failure before it (a prompt too long, the
+    engine gone) raises here, so the response keeps its status and a router can retry
+    it elsewhere. Returns every delta, the first included, and the call that ends the
+    request on the engine if it has not ended (call it however the response ends)."""
+    deltas = gen.deltas()
+    first = await anext(deltas, None)
+
+    async def replay() -> AsyncIterator[Delta]:
+        if first is not None:
+            yield first
+        async for d in deltas:
+            yield d
+
+    return replay(), deltas.aclose
+
+
+async def stream_body(
+    gen: Generation, deltas: AsyncIterator[Delta], close: Close
+) -> AsyncIterator[bytes]:
+    """SSE body of a streaming response (``deltas`` from :func:`to_first_token`),
+    ``data: [DONE]`` last.
+
+    NOTE: the headers and the opening chunk (chat's assistant role, completions'
+    echo) go out with the first token, not before: the first byte then marks the end
+    of prefill, which is what the gateway's TTFT and its retry-before-first-byte rule
+    rely on, and a failure before it keeps its own status.
     """
+    try:
+        async for chunk in _sse(gen, deltas):
+            yield chunk
+    finally:
+        await close()  # aborts the request on the engine if it did not end
+
+
+async def _sse(gen: Generation, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
     p = gen.prep
     created = now_s()
     chat = p.endpoint == "chat"
     opened = False
     try:
-        async for d in gen.deltas():
+        async for d in deltas:
             if not opened:
                 opened = True
                 if chat:
@@ -530,21 +562,14 @@ async def marked_body(gen: Generation) -> AsyncIterator[bytes]:
     returns, so that a failure before it (a prompt too long) keeps its status; one
     after it breaks the connection, which a router answers as a worker failure.
     """
-    deltas = gen.deltas()
-    first = await anext(deltas, None)
-
-    async def rest() -> AsyncIterator[Delta]:
-        if first is not None:
-            yield first
-        async for d in deltas:
-            yield d
+    deltas, close = await to_first_token(gen)
 
     async def body() -> AsyncIterator[bytes]:
         try:
             yield b" "
             with contextlib.suppress(ClientGone):  # nobody to send the body to
-                yield json.dumps(await full_body(gen, rest())).encode()
+                yield json.dumps(await full_body(gen, deltas)).encode()
         finally:
-            await deltas.aclose()  # aborts the request on the engine if it did not end
+            await close()  # aborts the request on the engine if it did not end
 
     return body()
