@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine_worker.request import SEED_RANGE
+from engine_worker.request import LOGIT_BIAS_RANGE, PENALTY_RANGE, SEED_RANGE
 
 __all__ = [
     "CLIENT_CLOSED",
@@ -121,6 +121,10 @@ class TokenizedPrompt(_Lenient):
     ids: Annotated[list[int], Field(min_length=1)]
 
 
+_Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
+_Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1], allow_inf_nan=False)]
+
+
 class _SamplingFields(_Lenient):
     model: Annotated[Text, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -133,12 +137,10 @@ class _SamplingFields(_Lenient):
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
     ignore_eos: bool = False
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    presence_penalty: _Penalty = 0.0
+    frequency_penalty: _Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
-    logit_bias: (
-        dict[Text, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None
-    ) = None
+    logit_bias: dict[Text, _Bias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GREEDY_BELOW",
+    "LOGIT_BIAS_RANGE",
+    "PENALTY_RANGE",
     "SEED_RANGE",
     "FinishReason",
     "Request",
@@ -30,6 +32,11 @@ GREEDY_BELOW = 1e-5
 #: Seeds a request may carry: a signed 64-bit integer, what ``torch.Generator.manual_seed``
 #: takes whatever its sign (vLLM's request schema bounds ``seed`` the same way).
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+#: ``presence_penalty`` and ``frequency_penalty`` bounds, and a ``logit_bias`` entry's
+#: (OpenAI's API reference); the request schema and :class:`SamplingParams` share them.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class RequestStatus(StrEnum):
@@ -91,13 +98,14 @@ class SamplingParams:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            if not (math.isfinite(value) and PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]):
+                raise ValueError(f"{name} must be in {list(PENALTY_RANGE)}, got {value}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
+            low, high = LOGIT_BIAS_RANGE
+            if token < 0 or not (math.isfinite(bias) and low <= bias <= high):
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [{low}, {high}]")
 
     @property
     def greedy(self) -> bool:

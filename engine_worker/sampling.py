@@ -75,21 +75,24 @@ class Sampler:
         """
         if logits.shape[0] != len(params):
             raise ValueError("one SamplingParams per row of logits")
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
-            if tokens is None or len(tokens) != len(params):
-                raise ValueError("penalties need each row's prompt and output token ids")
-            logits = logits.float().clone()
-            for i in penalized:
-                prompt, output = tokens[i]
-                seen = self._prompt(request_ids[i], params[i], prompt)
-                penalize(logits[i], params[i], seen, output)
+        if tokens is not None and len(tokens) != len(params):
+            raise ValueError("one (prompt, output) pair per row of logits")
         greedy = logits.argmax(dim=-1)
         out: list[int] = greedy.tolist()
         for i, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
+            row = logits[i]
+            if p.penalized:
+                # A copy of this row only: the batch's other rows are read as they are.
+                if tokens is None:
+                    raise ValueError("penalties need each row's prompt and output token ids")
+                row = row.float().clone()
+                prompt, output = tokens[i]
+                penalize(row, p, self._prompt(rid, p, prompt), output)
+                if p.greedy:
+                    out[i] = int(row.argmax())
             if p.greedy:
                 continue
-            sampled = self._sample_row(logits[i], p, self._generator(rid, p))
+            sampled = self._sample_row(row, p, self._generator(rid, p))
             if sampled is None:
                 log.warning("request %s: logits are not finite; took the argmax", rid)
                 continue

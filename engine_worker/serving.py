@@ -480,14 +480,6 @@ async def stream_body(
     of prefill, which is what the gateway's TTFT and its retry-before-first-byte rule
     rely on, and a failure before it keeps its own status.
     """
-    try:
-        async for chunk in _sse(gen, deltas):
-            yield chunk
-    finally:
-        await close()  # aborts the request on the engine if it did not end
-
-
-async def _sse(gen: Generation, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
     p = gen.prep
     created = now_s()
     chat = p.endpoint == "chat"
@@ -507,18 +499,21 @@ async def _sse(gen: Generation, deltas: AsyncIterator[Delta]) -> AsyncIterator[b
                 yield sse(chat_chunk(p, delta, d.finish_reason, created))
             else:
                 yield sse(completion_chunk(p, d.text, d.finish_reason, created))
+        if p.include_usage:
+            chunk = (
+                chat_chunk(p, {}, None, created) if chat else completion_chunk(p, "", None, created)
+            )
+            chunk["choices"] = []
+            chunk["usage"] = gen.usage().model_dump()
+            yield sse(chunk)
+        yield sse("[DONE]")
     except ApiError as exc:
         yield sse({"error": exc.body()["error"]})
         yield sse("[DONE]")
-        return
     except ClientGone:
-        return  # nobody to send the rest to
-    if p.include_usage:
-        chunk = chat_chunk(p, {}, None, created) if chat else completion_chunk(p, "", None, created)
-        chunk["choices"] = []
-        chunk["usage"] = gen.usage().model_dump()
-        yield sse(chunk)
-    yield sse("[DONE]")
+        pass  # nobody to send the rest to
+    finally:
+        await close()  # aborts the request on the engine if it did not end
 
 
 async def full_body(gen: Generation, deltas: AsyncIterator[Delta] | None = None) -> dict[str, Any]:
