@@ -114,6 +114,10 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
         )  # fmt: skip
         app.state.worker = worker
         app.state.drain = worker.drain
+        # Served by kvrouter.graceful, a dead engine stops the process to be restarted.
+        fail = getattr(app.state, "fail", None)
+        if fail is not None and not settings.keep_alive_on_engine_death:
+            worker.on_engine_death = fail
         try:
             yield {"worker": worker}
         finally:

@@ -82,6 +82,11 @@ class WorkerSettings(BaseSettings):
         ge=1,
         description="how long an idle keep-alive connection stays open (above clients' own 5 s)",
     )
+    keep_alive_on_engine_death: bool = Field(
+        False,
+        description="stay up (answering 503) when the engine loop dies, instead of exiting "
+        "with status 1 to be restarted (vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)",
+    )
     seed: int = 0
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,6 +139,10 @@ class Worker:
         self._registered = False
         #: Set on SIGTERM: new generation requests get 503 (routers retry them elsewhere).
         self.draining = False
+        #: Called with the reason once the engine loop has died and the worker withdrew
+        #: (the server's ``app.state.fail``: the process exits to be restarted). None: the
+        #: worker stays up, answering 503, until something stops it.
+        self.on_engine_death: Callable[[str], None] | None = None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -425,9 +429,10 @@ class Worker:
     async def _watch_engine(self) -> None:
         """Withdraw from routing once the engine loop has died of an error.
 
-        Every request the worker then gets is a 503 and ``/health`` says so (an
-        orchestrator's liveness probe restarts it); without this its heartbeat would go
-        on, and routers would keep sending it requests that can only fail.
+        Every request the worker then gets is a 503 and ``/health`` says so; without
+        this its heartbeat would go on, and routers would keep sending it requests that
+        can only fail. Then :attr:`on_engine_death` (when set) stops the process, so
+        whatever runs it restarts it with a fresh engine.
         """
         await self._engine_died.wait()
         log.critical(
@@ -435,6 +440,10 @@ class Worker:
             self.name, self.engine.error,
         )  # fmt: skip
         await self.drain()
+        if self.on_engine_death is not None:
+            self.on_engine_death(
+                f"worker {self.name}: the engine loop died ({self.engine.error!r})"
+            )
 
     async def _expire_leases(self) -> None:
         period = min(1.0, self.settings.lease_ttl_s / 4)

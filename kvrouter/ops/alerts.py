@@ -88,8 +88,9 @@ ALERTS: tuple[Alert, ...] = (
         "Worker {{ $labels.worker }} is not routable: its heartbeat is missing",
         "No gateway replica has routed to worker {{ $labels.worker }} for 2 minutes: its "
         "heartbeat in Redis expired (the process is gone, hung, or cannot reach Redis), it "
-        "deleted it because its engine loop died (its log says so at CRITICAL; /health is "
-        "503 until it is restarted), or it was benched after refusing connections and has "
+        "deleted it because its engine loop died (its log says so at CRITICAL; the process "
+        "then exits with status 1 to be restarted, so a worker missing for minutes is "
+        "crash-looping), or it was benched after refusing connections and has "
         "not heartbeated since. The indexer "
         "purges a host whose heartbeat expired (kvindex_ingest_dead_hosts_total).",
     ),

@@ -15,9 +15,10 @@ from engine_worker.settings import WorkerSettings
 from indexer.events import EventBatch, Snapshot, decode_message
 from indexer.media import MEDIA, Medium
 from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace, decode_view
+from kvrouter.graceful import DrainingServer
 from tests.engine_worker.event_replay import EventReplay
 from tests.support.redis_proc import RedisProcess, free_port
-from tests.support.servers import serve_app
+from tests.support.servers import running_server, serve_app
 
 KS = Keyspace()
 HOST = "w-events"
@@ -211,10 +212,7 @@ def test_a_worker_whose_engine_loop_dies_withdraws_its_heartbeat(
         eventually(lambda: client.exists(KS.heartbeat("w-crash")) == 1)
         complete(url, "a healthy request first")
 
-        def fail(_: object) -> None:
-            raise RuntimeError("injected fault: the step failed")
-
-        app.state.worker.engine.runner.execute = fail  # a fault in the real engine's step
+        break_engine(app)
         r = httpx.post(
             f"{url}/v1/completions", timeout=60,
             json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream},
@@ -230,4 +228,46 @@ def test_a_worker_whose_engine_loop_dies_withdraws_its_heartbeat(
         assert after.json()["error"]["type"] == "service_unavailable"
         time.sleep(2.5)  # past the TTL: no heartbeat came back
         assert client.exists(KS.heartbeat("w-crash")) == 0
+        client.close()
+
+
+def break_engine(app: Any) -> None:
+    """Make the worker's next engine step raise: a fault in the real engine's step."""
+
+    def fail(_: object) -> None:
+        raise RuntimeError("injected fault: the step failed")
+
+    app.state.worker.engine.runner.execute = fail
+
+
+@pytest.mark.parametrize("keep_alive", [False, True])
+def test_a_worker_whose_engine_loop_dies_exits_to_be_restarted(
+    redis_url: str, keep_alive: bool
+) -> None:
+    # Served as `kvrouter worker` serves it: the process stops (and `serve` exits with
+    # status 1) so `kvrouter up`, Kubernetes or systemd restart it with a fresh engine,
+    # as vLLM's API server exits when its engine core dies; with keep_alive_on_engine_death
+    # it stays up answering 503, as before.
+    app = create_app(settings(redis_url, name="w-exit", keep_alive_on_engine_death=keep_alive))
+    with running_server(app, server_cls=DrainingServer) as (url, server, thread):
+        assert isinstance(server, DrainingServer)
+        client = redis.Redis.from_url(redis_url)
+        eventually(lambda: client.exists(KS.heartbeat("w-exit")) == 1)
+        complete(url, "a healthy request first")
+        break_engine(app)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=60)
+        assert r.status_code == 503, r.text
+        eventually(lambda: client.exists(KS.heartbeat("w-exit")) == 0, timeout=1.8)
+        if keep_alive:
+            time.sleep(1.5)
+            assert thread.is_alive()
+            assert server.failure is None
+            assert httpx.get(f"{url}/health").status_code == 503
+        else:
+            thread.join(15)
+            assert not thread.is_alive(), "the server kept serving with a dead engine"
+            assert server.failure is not None
+            assert "engine loop died" in server.failure
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health")
         client.close()

@@ -504,3 +504,48 @@ def test_slo_admission_refuses_what_cannot_start_in_time() -> None:
         assert int(r.headers["retry-after"]) >= 1
         scrape = httpx.get(f"{gw}/metrics").text
         assert re.search(r"^kvrouter_admission_rejected_total [1-9]", scrape, re.M)
+
+
+def test_a_served_app_that_cannot_go_on_exits_with_status_1(tmp_path: Path) -> None:
+    # kvrouter.graceful.serve, as `kvrouter worker` and `kvrouter serve` run: an app that
+    # calls app.state.fail (a worker whose engine loop died) stops its process with status
+    # 1, which `kvrouter up`, Kubernetes and systemd restart; stopped by SIGTERM, it exits 0.
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "app.py"
+    script.write_text(
+        "import asyncio, contextlib, sys\n"
+        "from starlette.applications import Starlette\n"
+        "from kvrouter.graceful import serve\n"
+        "@contextlib.asynccontextmanager\n"
+        "async def lifespan(app):\n"
+        "    if sys.argv[1] == 'fail':\n"
+        "        asyncio.get_running_loop().call_later(0.2, app.state.fail, 'the engine is gone')\n"
+        "    yield\n"
+        "serve(Starlette(lifespan=lifespan), host='127.0.0.1', port=int(sys.argv[2]), drain_s=1)\n"
+    )
+    failed = subprocess.run(
+        [sys.executable, str(script), "fail", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stderr
+    assert "the engine is gone" in failed.stderr
+    port = free_port()
+    ok = subprocess.Popen([sys.executable, str(script), "ok", str(port)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with suppress(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+                break
+            assert ok.poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok.send_signal(signal.SIGTERM)
+        assert ok.wait(30) == 0
+    finally:
+        if ok.poll() is None:
+            ok.kill()
+        ok.wait()

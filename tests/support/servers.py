@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -72,6 +73,19 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | N
 @contextmanager
 def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> Iterator[str]:
     """Run ``app`` with uvicorn on 127.0.0.1 in a thread; yields its base URL."""
+    with running_server(app, port, timeout) as (base, _, _):
+        yield base
+
+
+@contextmanager
+def running_server(
+    app: ASGIApp,
+    port: int | None = None,
+    timeout: float = 120.0,
+    server_cls: Callable[[uvicorn.Config, Any], uvicorn.Server] | None = None,
+) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    """Run ``app`` on 127.0.0.1 in a thread (``server_cls(config, app)``, plain uvicorn by
+    default); yields its base URL, the server and the thread serving it."""
     port = port or free_port()
     # A bounded graceful shutdown: a request still open after it is cancelled, so the app's
     # lifespan shutdown (a worker's heartbeat stop) always runs and nothing outlives the test.
@@ -79,7 +93,7 @@ def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> 
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=10,
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(config) if server_cls is None else server_cls(config, app)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -91,7 +105,7 @@ def serve_app(app: ASGIApp, port: int | None = None, timeout: float = 120.0) -> 
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server on port {port} did not start in {timeout}s")
             time.sleep(0.02)
-        yield base
+        yield base, server, thread
     finally:
         server.should_exit = True
         thread.join(60)
