@@ -64,6 +64,13 @@ def up(
     drain_s: Annotated[
         float, typer.Option(min=0.0, help="On Ctrl-C: seconds in-flight requests may finish")
     ] = 10.0,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            help="Start a process that exits again, after a back-off (1 s to 30 s); "
+            "--no-restart stops everything when the indexer or gateway exits"
+        ),
+    ] = True,
 ) -> None:
     """Start Redis, the indexer, N workers and the gateway; Ctrl-C stops them all."""
     from rich.console import Console
@@ -167,11 +174,18 @@ def up(
             f"kvrouter index audit --redis {masked(redis_url)}"
         )
         while not stopping:
-            dead = sup.dead()
-            if any(c in dead for c in (indexer, gateway)):
-                console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping[/]")
-                code = 1
-                break
+            if restart:
+                for child in sup.revive():
+                    console.print(
+                        f"[yellow]{child.name} exited; started it again[/] "
+                        f"(restart {child.restarts}, logs in {child.log_path})"
+                    )
+            else:
+                dead = sup.dead()
+                if any(c in dead for c in (indexer, gateway)):
+                    console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping[/]")
+                    code = 1
+                    break
             time.sleep(0.5)
     except (RuntimeError, TimeoutError) as exc:
         console.print(f"[red]start-up failed:[/] {exc}")

@@ -133,6 +133,53 @@ def test_up_keeps_secrets_off_command_lines_and_workers_behind_a_token(
     assert wait_gone(processes) == []
 
 
+def test_up_starts_a_killed_worker_again_and_routes_to_it(tmp_path: Path, redis_url: str) -> None:
+    # A worker killed by the OOM killer (or one whose engine loop died: it exits with
+    # status 1) used to stay dead until `up` was run again.
+    proc, port, log = start_up(tmp_path, "--redis", redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while "kvrouter is up" not in log.read_text():  # past its start-up checks
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        started = {
+            name: int(pid)
+            for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", log.read_text())
+        }
+        victim = started["worker-0"]
+        os.killpg(victim, signal.SIGKILL)
+        again: list[str] = []
+        while not again:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+            again = re.findall(r"started worker-0 \(pid (\d+)\)", log.read_text())[1:]
+        new = int(again[0])
+        assert new != victim
+        assert alive(new)
+        # Back in the index's views, and served through the gateway.
+        while "worker-0" not in {v.host for v in asyncio.run(cluster_views(redis_url))}:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        args = Path(f"/proc/{new}/cmdline").read_bytes().decode().split("\0")
+        wport = int(args[args.index("--port") + 1])
+        wait_http(f"http://127.0.0.1:{wport}/health", timeout=60)
+        served = set()
+        for i in range(20):
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "tiny", "prompt": f"request {i} " * 30, "max_tokens": 2},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            served.add(r.headers.get("x-kvrouter-worker"))
+        assert "worker-0" in served, served
+        assert "exited with status -9" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    assert wait_gone(child_pids(log)) == []
+
+
 def test_killing_up_takes_its_children_with_it(
     started: tuple[subprocess.Popen[bytes], int, Path],
 ) -> None:
