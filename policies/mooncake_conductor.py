@@ -19,10 +19,16 @@ the computation: ``T_prefill = max(load, compute)``. When the pull branch wins,
 ``Decision.kv_source`` names the holder, which is Mooncake's hot-spot
 replication (section 6.2).
 
+``T_transfer`` is the bytes moved over the receiving instance's transfer
+bandwidth as it publishes it (measured on its pulls, as Mooncake's transfer
+engine knows its own network), else 25 GB/s (one 200 Gb/s RDMA NIC). Until
+2026-12-07 it was 25 GB/s whatever the network, so on the bench suite's
+12.5 GB/s fleet every pull looked twice as fast as it was.
+
 Not published, so chosen here: ``balancing_threshold`` 2.0 (pull when the best
-holder has at least twice this instance's prefix) and ``transfer_bandwidth``
-25 GB/s (one 200 Gb/s RDMA NIC). Decode-instance selection and SLO-based
-early rejection (Algorithm 1's last lines, section 7) are the gateway's job.
+holder has at least twice this instance's prefix). Decode-instance selection
+and SLO-based early rejection (Algorithm 1's last lines, section 7) are the
+gateway's job.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ from indexer.views import PrefixMatch, WorkerView
 from policies.base import Decision, NoWorkerError, RouteRequest
 from policies.cost_model import load_seconds, queue_seconds, resolve_profile, split_prompt
 
-__all__ = ["MooncakeConductorPolicy"]
+__all__ = ["FALLBACK_TRANSFER_BANDWIDTH", "MooncakeConductorPolicy"]
+
+#: Bytes/s of a pull to an instance that publishes no transfer bandwidth: one 200 Gb/s
+#: RDMA NIC.
+FALLBACK_TRANSFER_BANDWIDTH = 25e9
 
 
 class MooncakeConductorPolicy:
@@ -47,12 +57,16 @@ class MooncakeConductorPolicy:
         self,
         *,
         balancing_threshold: float = 2.0,
-        transfer_bandwidth: float = 25e9,
+        transfer_bandwidth: float | None = None,
         default_profile: TimingProfile | None = None,
     ) -> None:
+        """``transfer_bandwidth``: bytes/s of every pull (None: each receiving instance's
+        published transfer bandwidth, else :data:`FALLBACK_TRANSFER_BANDWIDTH`)."""
         if not (math.isfinite(balancing_threshold) and balancing_threshold >= 1.0):
             raise ValueError(f"balancing_threshold must be >= 1, got {balancing_threshold}")
-        if not (math.isfinite(transfer_bandwidth) and transfer_bandwidth > 0):
+        if transfer_bandwidth is not None and not (
+            math.isfinite(transfer_bandwidth) and transfer_bandwidth > 0
+        ):
             raise ValueError(f"transfer_bandwidth must be positive, got {transfer_bandwidth}")
         self.balancing_threshold = balancing_threshold
         self.transfer_bandwidth = transfer_bandwidth
@@ -90,7 +104,12 @@ class MooncakeConductorPolicy:
             transfer = 0.0
             if pull:
                 moved = (best - local[h]) * size * profile.kv_bytes_per_token
-                transfer = moved / self.transfer_bandwidth
+                bandwidth = (
+                    self.transfer_bandwidth
+                    or view.transfer_bandwidth
+                    or FALLBACK_TRANSFER_BANDWIDTH
+                )
+                transfer = moved / bandwidth
             cached, new = split_prompt(request.num_tokens, prefix, size)
             load = load_seconds(view, profile, matches.get(h), size)
             prefill = max(load, profile.prefill_seconds(new, cached))

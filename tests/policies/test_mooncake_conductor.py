@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from indexer.media import Medium
@@ -95,3 +96,32 @@ def test_bad_options_and_no_workers_are_refused() -> None:
         MooncakeConductorPolicy(balancing_threshold=0.5)
     with pytest.raises(NoWorkerError):
         MooncakeConductorPolicy().choose(request(PROMPT), [], {})
+
+
+def test_pulls_are_priced_at_the_bandwidth_the_instances_publish() -> None:
+    # Mooncake's conductor estimates a transfer on its own network. It was priced at a
+    # fixed 25 GB/s: on a 1.25 GB/s fleet (a slowed live bench) every pull looked 20x
+    # cheaper than it was, and the policy pulled on nearly every request.
+    slow = 1.25e9
+    workers = [
+        msgspec.structs.replace(w, transfer_bandwidth=slow)
+        for w in (view("holder", queued=2_000), view("partial"), view("cold"))
+    ]
+    last = chunked_seconds(PROFILE, 1, cached=4095)
+    expected = {
+        "holder": queue_wait(PROFILE, 2_000) + last,
+        "partial": (256 - 64) * BLOCK * KV / slow + last,
+        "cold": 256 * BLOCK * KV / slow + last,
+    }
+
+    decision = MooncakeConductorPolicy().choose(request(PROMPT), workers, MATCHES)
+
+    assert {h: decision.scores[h]["total"] for h in expected} == pytest.approx(expected)
+    assert decision.worker == min(expected, key=expected.__getitem__) == "holder"
+    assert decision.kv_source is None
+    # At the 25 GB/s it assumed before, the same fleet pulled to an idle instance.
+    fixed = MooncakeConductorPolicy(transfer_bandwidth=25e9).choose(
+        request(PROMPT), workers, MATCHES
+    )
+    assert fixed.worker == "partial"
+    assert fixed.kv_source == "holder"
