@@ -515,6 +515,7 @@ class Worker:
             load_bandwidth=self.load_bandwidth(),
             transfer_bandwidth=self.puller.bandwidth or 0.0,
             profile=self.profile(),
+            marks_first_token=True,
             ts=time.time(),
         )
 

@@ -66,6 +66,10 @@ class WorkerView(msgspec.Struct, kw_only=True):
         load_bandwidth: Measured bytes/s moving KV from each medium into HBM.
         transfer_bandwidth: Measured bytes/s of KV pulled from other workers (0.0: none yet).
         profile: The worker's timing model.
+        marks_first_token: Asked to (``x-kvworker-mark-first-token``), the worker sends
+            a non-streaming answer's first byte with its first token, so a router
+            knows from the first contact that a failure before any byte generated
+            nothing and may be retried (False: not known; a vLLM engine's view).
         ts: When the view was taken (seconds, the publisher's clock).
     """
 
@@ -91,6 +95,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     load_bandwidth: dict[Medium, float] = msgspec.field(default_factory=dict)
     transfer_bandwidth: float = 0.0
     profile: TimingProfile | None = None
+    marks_first_token: bool = False
     ts: float = 0.0
 
     def kv_usage(self, medium: Medium = Medium.HBM) -> float:
