@@ -96,6 +96,8 @@ class Dispatcher:
         #: Workers whose last non-streaming answer marked its first token: a request that
         #: fails there before its first byte generated nothing yet, so it is retried.
         self.marking: set[str] = set()
+        #: Workers whose last non-streaming answer did not mark it, though asked to.
+        self.not_marking: set[str] = set()
 
     async def open(
         self,
@@ -162,7 +164,13 @@ class Dispatcher:
         # Whether a failure before the first byte may have generated the answer already:
         # a worker that does not mark a non-streaming answer's first token sends its first
         # byte with the whole body.
-        unmarked = whole and worker not in self.marking
+        # A worker's view says it marks from the first contact (until an answer says
+        # otherwise); without that, only an answer that marked is trusted.
+        view = self.directory.views.get(worker)
+        marks = worker in self.marking or (
+            view is not None and view.marks_first_token and worker not in self.not_marking
+        )
+        unmarked = whole and not marks
         try:
             resp = await self.pool.post(url, body, headers, self.timeouts)
         except UpstreamError as exc:
@@ -176,8 +184,10 @@ class Dispatcher:
             if whole and resp.status_code == 200:
                 if resp.headers.get(FIRST_TOKEN_HEADER):
                     self.marking.add(worker)
+                    self.not_marking.discard(worker)
                     return await _read_marked(worker, resp, ticket)
                 self.marking.discard(worker)
+                self.not_marking.add(worker)
             if whole or resp.status_code >= 400:
                 data = await resp.aread()
                 ticket.first_byte()
