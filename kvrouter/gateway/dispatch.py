@@ -93,11 +93,11 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.timeouts = Timeouts(connect=connect_timeout_s, write=30.0, read=first_byte_timeout_s)
         self.internal_token = internal_token
-        #: Workers whose last non-streaming answer marked its first token: a request that
-        #: fails there before its first byte generated nothing yet, so it is retried.
-        self.marking: set[str] = set()
-        #: Workers whose last non-streaming answer did not mark it, though asked to.
-        self.not_marking: set[str] = set()
+        #: Per worker, whether its last non-streaming answer marked its first token (asked
+        #: to): where it does, a request that fails before its first byte generated
+        #: nothing yet, so it is retried. A worker not in here is taken at its view's word
+        #: (``marks_first_token``).
+        self.marking: dict[str, bool] = {}
 
     async def open(
         self,
@@ -137,7 +137,10 @@ class Dispatcher:
                 admission.get(worker) if admission else None,
             )  # fmt: skip
             try:
-                up = await self._attempt(worker, view.url + path, body, headers, ticket, whole)
+                marks = self.marking.get(worker, view.marks_first_token)
+                up = await self._attempt(
+                    worker, view.url + path, body, headers, ticket, whole, marks
+                )
             except _RetryableError as exc:
                 ticket.end()
                 last_reason = f"{worker}: {exc.reason}"
@@ -159,17 +162,11 @@ class Dispatcher:
 
     async def _attempt(
         self, worker: str, url: str, body: bytes, headers: dict[str, str], ticket: Ticket,
-        whole: bool,
+        whole: bool, marks: bool,
     ) -> Upstream:  # fmt: skip
         # Whether a failure before the first byte may have generated the answer already:
-        # a worker that does not mark a non-streaming answer's first token sends its first
-        # byte with the whole body.
-        # A worker's view says it marks from the first contact (until an answer says
-        # otherwise); without that, only an answer that marked is trusted.
-        view = self.directory.views.get(worker)
-        marks = worker in self.marking or (
-            view is not None and view.marks_first_token and worker not in self.not_marking
-        )
+        # a worker that does not mark a non-streaming answer's first token (``marks``)
+        # sends its first byte with the whole body.
         unmarked = whole and not marks
         try:
             resp = await self.pool.post(url, body, headers, self.timeouts)
@@ -183,11 +180,9 @@ class Dispatcher:
                 raise _RetryableError("5xx", f"HTTP {resp.status_code}: {text}")
             if whole and resp.status_code == 200:
                 if resp.headers.get(FIRST_TOKEN_HEADER):
-                    self.marking.add(worker)
-                    self.not_marking.discard(worker)
+                    self.marking[worker] = True
                     return await _read_marked(worker, resp, ticket)
-                self.marking.discard(worker)
-                self.not_marking.add(worker)
+                self.marking[worker] = False
             if whole or resp.status_code >= 400:
                 data = await resp.aread()
                 ticket.first_byte()
