@@ -7,7 +7,11 @@ Only what kvrouter serves: completions and chat completions (n=1; asking for
 ``cached_tokens_by_medium``, and the PD extension
 ``kv_transfer_params``, and the gateway's ``tokenized_prompt`` (the prompt's token
 ids, so the worker does not tokenize it again). Unknown fields are ignored, as
-OpenAI's clients send many. Errors are OpenAI's shape:
+OpenAI's clients send many; but a request for what would change the answer and
+kvrouter does not do (tool calls, a JSON ``response_format``, vLLM's guided
+decoding, a completion ``suffix``, ``best_of``) is a 400 naming the field, not a
+free-text answer the client would take for one that honours it (vLLM answers
+a request for tools it cannot parse the same way). Errors are OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -22,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -65,6 +70,15 @@ _TOKEN_ID_END = 2**32
 
 #: Asked for log probabilities, a client got ``"logprobs": null`` and no word why.
 _NO_LOGPROBS = "log probabilities are not supported: kvrouter's workers do not return them"
+
+#: vLLM's constrained-decoding request fields: any of them set asks for output that
+#: unconstrained sampling would not give.
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs")  # fmt: skip
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"{what} is not supported: kvrouter's workers sample free text")
 
 
 def _unicode(v: str) -> str:
@@ -147,6 +161,18 @@ class _SamplingFields(_Lenient):
     cache_salt: Annotated[Text, Field(max_length=256)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     tokenized_prompt: TokenizedPrompt | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator(*_GUIDED_FIELDS)
+    @classmethod
+    def _no_guided(cls, v: Any) -> Any:
+        if v is not None:
+            raise _unsupported("constrained (guided) decoding")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -185,6 +211,22 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise _unsupported("a suffix (text insertion)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("best_of must be 1: one completion is sampled per request")
+        return v
 
     @field_validator("logprobs")
     @classmethod
@@ -241,6 +283,40 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Declared before ``tools`` and ``functions``: their checks read it.
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_forced_call(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        # "none" and "auto" mean nothing without tools; "required" or a named function
+        # asks for a call whatever the tools.
+        if v is not None and v not in ("none", "auto"):
+            raise _unsupported("tool calling")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
+        if v and choice != "none":
+            raise ValueError(
+                "tool calling is not supported: kvrouter's workers sample free text (with "
+                f"{'tool_choice' if info.field_name == 'tools' else 'function_call'} "
+                '"none" the tools are ignored)'
+            )
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise _unsupported(f"response_format {v.get('type')!r} (structured output)")
+        return v
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod

@@ -233,6 +233,63 @@ def test_asking_for_logprobs_is_refused_not_answered_with_none(
     wait_unloaded(cluster)
 
 
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("chat/completions", {"tools": [_TOOL]}, "tools"),
+        ("chat/completions", {"tools": [_TOOL], "tool_choice": "auto"}, "tools"),
+        ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        (
+            "chat/completions",
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "tool_choice",
+        ),
+        ("chat/completions", {"functions": [_TOOL["function"]]}, "functions"),
+        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ("chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("completions", {"guided_regex": "[0-9]+"}, "guided_regex"),
+        ("completions", {"suffix": " the end"}, "suffix"),
+        ("completions", {"best_of": 3}, "best_of"),
+        # Accepted: what asks for nothing the workers do not do.
+        ("chat/completions", {"tools": [_TOOL], "tool_choice": "none"}, None),
+        ("chat/completions", {"tools": [], "tool_choice": "auto"}, None),
+        ("chat/completions", {"response_format": {"type": "text"}}, None),
+        ("chat/completions", {"parallel_tool_calls": False, "guided_json": None}, None),
+        ("completions", {"suffix": "", "best_of": 1}, None),
+    ],
+)
+def test_asking_for_structured_output_is_refused_not_answered_with_free_text(
+    cluster: Cluster, path: str, extra: dict[str, Any], param: str | None
+) -> None:
+    # A client that asks for a tool call or JSON and gets free text back may take it
+    # for what it asked for (or fail parsing it far from the cause); it must hear that
+    # the workers do not do it, with the field named, and nothing must be routed.
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    body = {"model": MODEL, **prompt, "max_tokens": 2, **extra}
+    headers = {"authorization": "Bearer sk-test"}
+    r = httpx.post(f"{cluster.gateway}/v1/{path}", json=body, headers=headers, timeout=60)
+    if param is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["param"] == param
+        assert "not supported" in err["message"] or "must be 1" in err["message"]
+    wait_unloaded(cluster)
+
+
 @pytest.mark.parametrize(
     ("content_type", "body", "status"),
     [
