@@ -202,6 +202,16 @@ def test_bad_input_gets_openai_errors(
     wait_unloaded(cluster)
 
 
+def _ask(cluster: Cluster, path: str, extra: dict[str, Any]) -> httpx.Response:
+    """A two-token request ``hi`` to ``/v1/{path}`` with the fields ``extra``."""
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    body = {"model": MODEL, **prompt, "max_tokens": 2, **extra}
+    headers = {"authorization": "Bearer sk-test"}
+    return httpx.post(f"{cluster.gateway}/v1/{path}", json=body, headers=headers, timeout=60)
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "status"),
     [
@@ -218,12 +228,7 @@ def test_asking_for_logprobs_is_refused_not_answered_with_none(
 ) -> None:
     # The workers compute no log probabilities: a client that asks must hear so, not
     # find "logprobs": null where it expected them.
-    prompt = (
-        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
-    )
-    body = {"model": MODEL, **prompt, "max_tokens": 2, **extra}
-    headers = {"authorization": "Bearer sk-test"}
-    r = httpx.post(f"{cluster.gateway}/v1/{path}", json=body, headers=headers, timeout=60)
+    r = _ask(cluster, path, extra)
     assert r.status_code == status, r.text
     if status == 400:
         err = r.json()["error"]
@@ -273,12 +278,7 @@ def test_asking_for_structured_output_is_refused_not_answered_with_free_text(
     # A client that asks for a tool call or JSON and gets free text back may take it
     # for what it asked for (or fail parsing it far from the cause); it must hear that
     # the workers do not do it, with the field named, and nothing must be routed.
-    prompt = (
-        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
-    )
-    body = {"model": MODEL, **prompt, "max_tokens": 2, **extra}
-    headers = {"authorization": "Bearer sk-test"}
-    r = httpx.post(f"{cluster.gateway}/v1/{path}", json=body, headers=headers, timeout=60)
+    r = _ask(cluster, path, extra)
     if param is None:
         assert r.status_code == 200, r.text
     else:
