@@ -53,8 +53,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
             queue whose head cannot have them holds up everything behind it
             (0 when not published).
         queued_load_blocks: Of those, the blocks on each lower medium (DRAM, SSD), plus
-            those the step in flight is bringing up: the step that admits a request
-            pays for its load, so the queue drains that much later (empty when not
+            those being brought up now. Without ``async_loads`` the step that admits a
+            request pays for its load, so the queue drains that much later; with it,
+            they are the loads a new request's own load queues behind (empty when not
             published).
         running_kv_tokens: Context tokens the running requests hold, what every
             decode step reads (0 when not published).
@@ -70,6 +71,14 @@ class WorkerView(msgspec.Struct, kw_only=True):
             a non-streaming answer's first byte with its first token, so a router
             knows from the first contact that a failure before any byte generated
             nothing and may be retried (False: not known; a vLLM engine's view).
+        async_loads: The worker brings a request's cached DRAM and SSD blocks into HBM
+            beside its steps, one load after another (vLLM's offloading connector
+            does): the request computes nothing until its blocks are up, and the
+            others compute on meanwhile. A load then delays its own request, after
+            the loads before it (``queued_load_blocks``), and no one else. False:
+            the step that admits a request loads its blocks first, and every request
+            in that step and queued behind it waits for them (not known, our torch
+            runner, a vLLM engine without an offloading connector).
         ts: When the view was taken (seconds, the publisher's clock).
     """
 
@@ -96,6 +105,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     transfer_bandwidth: float = 0.0
     profile: TimingProfile | None = None
     marks_first_token: bool = False
+    async_loads: bool = False
     ts: float = 0.0
 
     def kv_usage(self, medium: Medium = Medium.HBM) -> float:

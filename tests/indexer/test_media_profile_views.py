@@ -141,6 +141,7 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
         mean_output_tokens=212.5,
         kv_capacity_blocks={Medium.HBM: 1000},
         transfer_bandwidth=2.5e9,
+        async_loads=True,
     )
     assert decode_view(encode_view(v)) == v
     # A heartbeat from a worker that predates these fields: they read as "not published".
@@ -151,3 +152,4 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
     assert back.mean_output_tokens == 0.0
     assert back.transfer_bandwidth == 0.0
     assert back.queued_taken_blocks == 0
+    assert back.async_loads is False  # its loads stall the step that admits them
