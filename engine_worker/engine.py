@@ -14,6 +14,10 @@ snapshot requests), then plans a step, has the runner execute it, folds
 the result back, delivers tokens, and hands the pool's events to the sink.
 With the ``sim`` runner it also waits out each step's modeled duration
 (times ``time_scale``), so a simulated worker behaves like real hardware.
+With the scheduler's ``async_loads``, the DRAM/SSD loads a plan starts run
+on one modeled load channel beside the steps, one after another; each
+request computes from the first step planned after its load lands (an
+engine with only loads in flight sleeps until the first lands).
 
 The thread holds the scheduler lock except while the runner executes a
 step (and the modeled wait). :meth:`EngineLoop.pool_call` runs a function
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import queue
 import threading
@@ -152,6 +157,10 @@ class EngineLoop:
         self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-pool")
         self.steps = 0
         self.error: BaseException | None = None
+        #: Loads in flight (``async_loads``): (lands at, request id), soonest first, on
+        #: the ``perf_counter`` clock; and when the load channel is next free.
+        self._loads: list[tuple[float, str]] = []
+        self._loads_free_at = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -288,13 +297,32 @@ class EngineLoop:
             self._deliver(req.request_id, self._event(req, None, None))
 
     def _next(self, block: bool) -> _Command | None:
-        """The first pending command, waiting up to ``idle_wait_s`` when ``block``."""
+        """The first pending command, waiting up to ``idle_wait_s`` when ``block`` (less
+        when a load lands sooner)."""
         try:
             if block:
-                return self._commands.get(timeout=self.idle_wait_s)
+                timeout = self.idle_wait_s
+                if self._loads:
+                    timeout = min(timeout, max(self._loads[0][0] - time.perf_counter(), 0.0))
+                return self._commands.get(timeout=timeout)
             return self._commands.get_nowait()
         except queue.Empty:
             return None
+
+    def _land_loads(self) -> None:
+        """Hand the loads that have landed to the scheduler (under the lock)."""
+        loads, now = self._loads, time.perf_counter()
+        while loads and loads[0][0] <= now:
+            self.scheduler.loaded(heapq.heappop(loads)[1])
+
+    def _start_loads(self, plan: SchedulerPlan, now: float) -> None:
+        """Put the loads ``plan`` starts on the load channel, after those before them."""
+        block_size = self.scheduler.block_size
+        for req, media in plan.loads:
+            seconds = self.runner.profile().blocks_load_seconds(media, block_size)
+            start = max(now, self._loads_free_at)
+            self._loads_free_at = done = start + seconds * self.time_scale
+            heapq.heappush(self._loads, (done, req.request_id))
 
     def _drain(self, first: _Command | None) -> None:
         cmd = first
@@ -306,11 +334,16 @@ class EngineLoop:
         try:
             with self._lock:
                 self._flush_events()
+            idle = True
             while not self._stop.is_set():
                 # Waiting for work happens outside the lock: pool calls run meanwhile.
-                first = self._next(block=not self.scheduler.has_work())
+                # With nothing to compute until a load lands, that wait ends when it does.
+                first = self._next(
+                    block=not self.scheduler.has_work() or (idle and bool(self._loads))
+                )
                 with self._lock:
                     self._drain(first)
+                    self._land_loads()
                     if self._changed and self.on_change is not None:
                         # Requests came or went: the published load must say so now, not
                         # after the next step (an idle engine has none).
@@ -318,7 +351,11 @@ class EngineLoop:
                         self.on_change()
                     t0 = time.perf_counter()  # a step's time includes its planning
                     plan = self.scheduler.schedule() if self.scheduler.has_work() else None
-                if plan is not None and not plan.empty:
+                    if plan is not None and plan.loads:
+                        self._start_loads(plan, t0)
+                idle = plan is None or plan.empty
+                if not idle:
+                    assert plan is not None
                     self._step(plan, t0)
                 with self._lock:
                     self._flush_events()

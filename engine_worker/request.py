@@ -43,6 +43,9 @@ class RequestStatus(StrEnum):
     """Where a request is in its life."""
 
     WAITING = "waiting"
+    #: Admitted with blocks to bring up from DRAM/SSD, computing nothing until they are
+    #: in HBM (the scheduler's ``async_loads``).
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -60,12 +60,17 @@ class SchedulerConfig:
         max_num_batched_tokens: Tokens computed in one step at most (the chunk budget).
         max_model_len: Longest sequence (prompt + output) a request may reach.
         enable_prefix_caching: Reuse cached blocks across requests.
+        async_loads: Bring a request's cached DRAM/SSD blocks up into HBM beside the
+            steps, as vLLM's offloading connector does (the request waits in
+            ``LOADING``, computing nothing, until :meth:`Scheduler.loaded`), instead of
+            in the step that admits it (which every request in that step waits for).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    async_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -101,12 +106,16 @@ class SchedulerPlan:
     Attributes:
         seqs: Scheduled requests, running ones first.
         preempted: Requests preempted this step (their KV must be recomputed).
-        loaded_blocks: Blocks promoted into HBM this step, per medium (the runner's load cost).
+        loaded_blocks: Blocks promoted into HBM this step, per medium (the runner's load
+            cost), those of ``loads`` excluded.
+        loads: With ``async_loads``, the requests admitted this step to load first, each
+            with its blocks to bring up per medium (:meth:`Scheduler.loaded` when done).
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     loaded_blocks: dict[Medium, int] = field(default_factory=dict)
+    loads: list[tuple[Request, dict[Medium, int]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -226,6 +235,8 @@ class Scheduler:
             )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Admitted, holding their blocks, waiting for their loads (``async_loads``).
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._mean_output = 0.0
         #: Blocks the step planned and not yet folded in brings up from each lower medium.
@@ -277,10 +288,19 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif self.loading.pop(request_id, None) is None:
             self.waiting.remove(req)
         self._finish(req, reason)
         return req
+
+    def loaded(self, request_id: str) -> None:
+        """A request's loads are done: it computes from the next step on (a no-op for a
+        request no longer loading: aborted meanwhile)."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     @property
     def num_running(self) -> int:
@@ -289,8 +309,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting to start (or preempted)."""
-        return len(self.waiting)
+        """Requests waiting to start (or preempted, or loading their prefix)."""
+        return len(self.waiting) + len(self.loading)
 
     def queued_prefill_tokens(self) -> int:
         """Tokens still to prefill over all requests (the router's queue-wait signal).
@@ -312,6 +332,12 @@ class Scheduler:
             taken += r.expected_taken_blocks
             for medium, n in r.expected_load_blocks.items():
                 loads[medium] = loads.get(medium, 0) + n
+        for r in self.loading.values():
+            new = r.num_tokens - r.num_computed_tokens
+            queued += new
+            context += new * r.num_computed_tokens + new * new // 2
+            for medium, n in r.expected_load_blocks.items():
+                loads[medium] = loads.get(medium, 0) + n
         running_kv = 0
         for r in self.running:
             running_kv += r.num_tokens
@@ -321,7 +347,7 @@ class Scheduler:
                 context += new * r.num_computed_tokens + new * new // 2
         return SchedulerLoad(
             running=len(self.running),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.loading),
             queued_prefill_tokens=queued,
             queued_prefill_context=context,
             queued_taken_blocks=taken,
@@ -332,7 +358,12 @@ class Scheduler:
         )
 
     def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
+        """Whether any request is waiting, loading or running."""
+        return bool(self.waiting or self.running or self.loading)
+
+    def can_schedule(self) -> bool:
+        """Whether a step would compute anything now: a request is waiting or running
+        (those loading compute nothing until :meth:`loaded`)."""
         return bool(self.waiting or self.running)
 
     # -- the step -----------------------------------------------------------------------------
@@ -391,16 +422,27 @@ class Scheduler:
             if not self.pool.can_allocate(taken + new_blocks):
                 break
             self.waiting.popleft()
+            lower: dict[Medium, int] = {}
             for b in matched:
                 if b.medium is not Medium.HBM:
-                    plan.loaded_blocks[b.medium] = plan.loaded_blocks.get(b.medium, 0) + 1
+                    lower[b.medium] = lower.get(b.medium, 0) + 1
             if not req.admitted:
                 req.admitted = True
                 for b in matched:
                     req.cached_tokens[b.medium.rank] += self.block_size
-            req.block_table = [*self.pool.acquire(matched), *self.pool.allocate(new_blocks)]
             req.num_computed_tokens = cached_tokens
             req.num_cached_blocks = len(matched)
+            if lower and self.config.async_loads:
+                # Only the prefix now: the rest is allocated when it computes.
+                req.block_table = self.pool.acquire(matched)
+                req.status = RequestStatus.LOADING
+                req.expected_load_blocks = lower
+                self.loading[req.request_id] = req
+                plan.loads.append((req, lower))
+                continue
+            for medium, n in lower.items():
+                plan.loaded_blocks[medium] = plan.loaded_blocks.get(medium, 0) + n
+            req.block_table = [*self.pool.acquire(matched), *self.pool.allocate(new_blocks)]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan.seqs.append(self._scheduled(req, num_new))

@@ -44,6 +44,13 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int = Field(0, ge=0, description="0 = the model's context, capped by HBM")
     enable_prefix_caching: bool = True
+    async_loads: bool = Field(
+        True,
+        description="sim runner: bring cached DRAM/SSD blocks up into HBM beside the steps "
+        "(the request waits, the others compute on), as vLLM's offloading connector does; "
+        "false: in the step that admits the request. The torch runner copies them in that "
+        "step whatever this says",
+    )
     profile: str = Field("", description="sim runner: timing profile name or JSON path")
     time_scale: float = Field(1.0, ge=0.0, description="sim runner: multiply modeled step times")
     sim_transfer_bandwidth: float = Field(

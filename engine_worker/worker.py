@@ -192,6 +192,8 @@ class Worker:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=max_len,
             enable_prefix_caching=settings.enable_prefix_caching,
+            # The torch runner's copies up run in the pool's acquire, in the step's planning.
+            async_loads=settings.async_loads and settings.runner == "sim",
         )
         scheduler = Scheduler(sched_config, pool, settings.block_size)
         for m in MEDIA:
@@ -516,6 +518,7 @@ class Worker:
             transfer_bandwidth=self.puller.bandwidth or 0.0,
             profile=self.profile(),
             marks_first_token=True,
+            async_loads=self.scheduler.config.async_loads,
             ts=time.time(),
         )
 

@@ -10,7 +10,9 @@ is virtual: a heap of step completions merged with the trace's arrivals::
 
     arrival at t:  deliver index batches due by t -> views -> index.match(keys)
                    -> policy.choose -> scheduler.add; an idle worker starts a step
-    step start:    plan = scheduler.schedule(); d = runner.execute(plan).duration_s
+    step start:    landed loads -> scheduler.loaded; plan = scheduler.schedule();
+                   its loads queue on the worker's load channel (a wake-up when each
+                   lands); d = runner.execute(plan).duration_s
     step end t+d:  scheduler.update(plan) -> first tokens, finishes;
                    pool.take_events() -> EventBatch(host, epoch, seq + 1), delivered
                    to the index at t + d + event_delay; next step if work remains
@@ -92,6 +94,9 @@ HBM_KV_BYTES = 80e9 * 0.9 - 16e9
 DRAM_KV_BYTES = 64e9
 SSD_KV_BYTES = 256e9
 
+#: Heap entries at or below this wake worker ``_WAKE - entry`` (a load landed).
+_WAKE = -(1 << 40)
+
 #: The most a perturbed replay (``SimConfig.jitter``) delays an arrival: 1 ms.
 JITTER_S = 1e-3
 
@@ -143,6 +148,10 @@ class SimConfig:
             such a perturbation moves a cell's TTFT p90 by tens of percent
             (docs/benchmarks.md, "2026-12-04 (fourth)"), so replaying a few ``k`` tells a
             difference between two policies from the luck of one trajectory.
+        async_loads: The workers bring cached DRAM/SSD blocks up into HBM beside their
+            steps, one load at a time per worker (``SchedulerConfig.async_loads``, a
+            ``sim`` worker's default, as vLLM's offloading connector does); False:
+            in the step that admits the request, which every request in it waits for.
     """
 
     workers: int = 8
@@ -166,6 +175,7 @@ class SimConfig:
     pd: PdMode = "never"
     transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH
     jitter: int = 0
+    async_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.jitter < 0:
@@ -296,6 +306,10 @@ class _Worker:
     #: Its timing profile (the step budget applied): what its runner models and its
     #: view publishes.
     profile: TimingProfile = field(default_factory=default_profile)
+    #: With ``async_loads``: when its load channel is next free, and the loads in
+    #: flight as (done at, request id), soonest first.
+    loads_free_at: float = 0.0
+    loads: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -354,6 +368,7 @@ class _Cluster:
                     max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=profile.max_num_batched_tokens,
                     max_model_len=max_model_len,
+                    async_loads=config.async_loads,
                 )
                 pool = BlockPool(self.capacity)
                 try:
@@ -429,6 +444,7 @@ class _Cluster:
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=w.pool.usage(),
             transfer_bandwidth=self.config.transfer_bandwidth,
+            async_loads=self.config.async_loads,
             role=w.role,
             profile=w.profile,
             ts=now,
@@ -632,10 +648,20 @@ class _Cluster:
         )
 
     def start_step(self, w: _Worker, now: float) -> None:
-        """Plan and time the worker's next step, or leave it idle when it has no work."""
+        """Plan and time the worker's next step, or leave it idle when it has no work (or
+        only loads in flight: the first to land wakes it)."""
+        while w.loads and w.loads[0][0] <= now:
+            w.scheduler.loaded(heapq.heappop(w.loads)[1])
         plan = w.scheduler.schedule()
+        for req, media in plan.loads:
+            # One load channel per worker (its PCIe link, its SSD), first come first served.
+            start = max(now, w.loads_free_at)
+            seconds = w.profile.blocks_load_seconds(media, self.config.block_size)
+            done = w.loads_free_at = start + seconds
+            heapq.heappush(w.loads, (done, req.request_id))
+            heapq.heappush(self.heap, (done, next(self.tiebreak), _WAKE - w.slot))
         if plan.empty:
-            if w.scheduler.has_work():
+            if w.scheduler.can_schedule() and not w.loads:
                 raise SimulationError(f"{w.host} has work but cannot schedule any of it")
             w.step = None
             return
@@ -709,6 +735,11 @@ class _Cluster:
             if heap and (a >= n or heap[0][0] <= arrivals[order[a]]):
                 now, _, slot = heapq.heappop(heap)
                 self.heartbeat(now)
+                if slot <= _WAKE:
+                    w = self.workers[_WAKE - slot]
+                    if w.step is None:
+                        self.start_step(w, now)
+                    continue
                 if slot < 0:
                     self.land(-1 - slot, now)
                     continue

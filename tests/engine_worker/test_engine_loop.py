@@ -1,4 +1,5 @@
-"""The engine loop's calls from other threads: a caller that gives up never breaks the loop."""
+"""The engine loop: calls from other threads (a caller that gives up never breaks the
+loop), and loads beside the steps."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import asyncio
 import contextlib
 import threading
 
-from engine_worker.engine import EngineLoop
+import msgspec
+import pytest
+
+from engine_worker.engine import EngineLoop, TokenEvent
+from engine_worker.runners.sim import SimRunner
 from engine_worker.scheduler import Scheduler
-from tests.engine_worker.test_scheduler import PROFILE, make, req
+from indexer.media import Medium
+from tests.engine_worker.test_scheduler import PROFILE, B, cache_on_dram, make, req
 
 
 async def test_a_call_cancelled_before_it_runs_never_runs_and_the_engine_lives_on() -> None:
@@ -58,5 +64,35 @@ async def test_a_pool_call_runs_while_a_step_executes_and_a_call_waits_for_it() 
         await asyncio.sleep(0.3)
         assert not between.done()  # a between-steps call waits for the step
         assert await asyncio.wait_for(between, 10) == 1
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("async_loads", [False, True])
+async def test_a_running_decode_waits_for_another_requests_dram_load_only_without_async_loads(
+    async_loads: bool,
+) -> None:
+    scheduler, runner, pool = make(hbm=16, dram=32, max_model_len=32, async_loads=async_loads)
+    cache_on_dram(scheduler, runner, pool)  # before the engine runs: "x"'s prefix on DRAM
+    # Steps of ~1 ms; DRAM so slow that bringing the 24-token prefix up takes ~0.5 s.
+    slow = msgspec.structs.replace(PROFILE, load_bandwidth={Medium.DRAM: 5e4})
+    engine = EngineLoop(scheduler, SimRunner(slow, B, vocab_size=1000))
+    engine.start()
+    try:
+        done: list[str] = []
+
+        async def until_finished(name: str, q: asyncio.Queue[TokenEvent]) -> None:
+            while not (await q.get()).finished:
+                pass
+            done.append(name)
+
+        d = engine.submit(req("d", list(range(500, 504)), max_tokens=20))
+        await asyncio.wait_for(d.get(), 10)  # "d" decodes
+        x = engine.submit(req("x", [*range(24), 7, 7], max_tokens=1))
+        await asyncio.wait_for(asyncio.gather(until_finished("d", d), until_finished("x", x)), 20)
+        # With async loads "d"'s 19 steps (~20 ms) run while "x" loads; without, the step
+        # that admits "x" loads first (~0.5 s) and "x" is answered in it, before "d" ends.
+        assert done == (["d", "x"] if async_loads else ["x", "d"])
+        assert await engine.acall(lambda s: (s.has_work(), s.loading)) == (False, {})
     finally:
         engine.stop()

@@ -25,13 +25,14 @@ PROFILE = TimingProfile(
 
 
 def make(
-    hbm: int = 64, dram: int = 0, ssd: int = 0, **cfg: int
+    hbm: int = 64, dram: int = 0, ssd: int = 0, async_loads: bool = False, **cfg: int
 ) -> tuple[Scheduler, SimRunner, BlockPool]:
     pool = BlockPool(TierCapacity(hbm=hbm, dram=dram, ssd=ssd))
     config = SchedulerConfig(
         max_num_seqs=cfg.get("max_num_seqs", 8),
         max_num_batched_tokens=cfg.get("budget", 64),
         max_model_len=cfg.get("max_model_len", 64),
+        async_loads=async_loads,
     )
     return Scheduler(config, pool, B), SimRunner(PROFILE, B, vocab_size=1000), pool
 
@@ -54,6 +55,18 @@ def run_to_end(s: Scheduler, r: SimRunner, max_steps: int = 1000) -> list[list[t
 
 def in_use(pool: BlockPool) -> int:
     return pool.capacity().hbm - pool.num_free()
+
+
+def cache_on_dram(s: Scheduler, r: SimRunner, pool: BlockPool) -> None:
+    """Cache the prompt ``range(24)`` (6 blocks), then push it out of HBM into DRAM
+    with other traffic (on ``make(hbm=16, dram=32, max_model_len=32)``)."""
+    s.add(req("a", list(range(24)), max_tokens=1))
+    run_to_end(s, r)
+    for i in range(3):
+        s.add(req(f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 28)), max_tokens=1))
+        run_to_end(s, r)
+    keys = block_keys(list(range(24)), B, ROOT)
+    assert [b.medium for b in pool.match_prefix(keys)] == [Medium.DRAM] * 6
 
 
 def test_a_request_prefills_decodes_finishes_and_returns_its_blocks() -> None:
@@ -131,15 +144,8 @@ def test_prefix_caching_can_be_turned_off() -> None:
 
 def test_demoted_prefix_is_promoted_from_dram_and_its_load_is_planned() -> None:
     s, r, pool = make(hbm=16, dram=32, max_model_len=32)
-    a = req("a", list(range(24)), max_tokens=1)
-    s.add(a)
-    run_to_end(s, r)
-    # Other traffic pushes a's cached blocks out of HBM into DRAM.
-    for i in range(3):
-        s.add(req(f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 28)), max_tokens=1))
-        run_to_end(s, r)
-    keys = block_keys(a.prompt_token_ids, B, ROOT)
-    assert {b.medium for b in pool.match_prefix(keys)} == {Medium.DRAM}
+    cache_on_dram(s, r, pool)
+    keys = block_keys(list(range(24)), B, ROOT)
     b = req("b", [*range(24), 7, 7], max_tokens=1)
     s.add(b)
     plan = s.schedule()
@@ -302,11 +308,7 @@ def test_load_reports_the_cached_blocks_waiting_requests_take_from_the_free_pool
 
 def test_load_reports_the_lower_tier_blocks_queued_and_admitted_requests_bring_up() -> None:
     s, r, pool = make(hbm=16, dram=32, max_model_len=32, max_num_seqs=1)
-    s.add(req("a", list(range(24)), max_tokens=1))
-    run_to_end(s, r)
-    for i in range(3):  # other traffic pushes a's 6 cached blocks out of HBM into DRAM
-        s.add(req(f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 28)), max_tokens=1))
-        run_to_end(s, r)
+    cache_on_dram(s, r, pool)
     s.add(req("busy", list(range(500, 510)), max_tokens=3))
     s.update(s.schedule(), {"busy": 1})  # "busy" runs; the next one waits (max_num_seqs=1)
     s.add(req("b", [*range(24), 7, 7], max_tokens=1))
@@ -325,6 +327,71 @@ def test_load_reports_the_lower_tier_blocks_queued_and_admitted_requests_bring_u
     assert {b.medium for b in pool.match_prefix(block_keys(list(range(24)), B, ROOT))} == {
         Medium.HBM
     }
+
+
+def test_with_async_loads_a_dram_prefix_loads_beside_the_steps_and_nobody_waits() -> None:
+    s, r, pool = make(hbm=16, dram=32, max_model_len=32, async_loads=True)
+    cache_on_dram(s, r, pool)
+    s.add(req("busy", list(range(500, 510)), max_tokens=8))
+    s.update(s.schedule(), {"busy": 1})  # "busy" decodes from now on
+    b = req("b", [*range(24), 7, 7], max_tokens=2)
+    s.add(b)
+    plan = s.schedule()
+    # "b" is admitted to load its 6 DRAM blocks: it computes nothing in this step, and
+    # the step, which "busy" decodes in, loads nothing (its time is the decode's alone).
+    assert [x.request.request_id for x in plan.seqs] == ["busy"]
+    assert [(q.request_id, media) for q, media in plan.loads] == [("b", {Medium.DRAM: 6})]
+    assert plan.loaded_blocks == {}
+    assert r.execute(plan).duration_s == PROFILE.step_seconds([], *plan.decode_batch())
+    assert b.status is RequestStatus.LOADING
+    assert all(blk.medium is Medium.HBM for blk in b.block_table)
+    assert len(b.block_table) == 6
+    load = s.load()
+    assert (load.running, load.waiting, load.queued_load_blocks) == (1, 1, {Medium.DRAM: 6})
+    assert load.queued_prefill_tokens == 2  # what it computes once loaded
+    # However many steps pass, it computes nothing until its load is done.
+    for _ in range(3):
+        s.update(plan, r.execute(plan).sampled)
+        plan = s.schedule()
+        assert [x.request.request_id for x in plan.seqs] == ["busy"]
+    s.update(plan, r.execute(plan).sampled)
+    s.loaded("b")
+    plan = s.schedule()
+    seq = next(x for x in plan.seqs if x.request is b)
+    assert (seq.num_cached, seq.num_new) == (24, 2)
+    assert b.cached_by_medium()[Medium.DRAM] == 24
+    assert s.load().queued_load_blocks == {}
+    s.update(plan, r.execute(plan).sampled)
+    run_to_end(s, r)
+    assert b.finish_reason is FinishReason.LENGTH
+    assert len(b.output_token_ids) == 2
+    assert in_use(pool) == 0
+
+
+def test_a_request_aborted_while_loading_frees_its_blocks_and_its_load_is_ignored() -> None:
+    s, r, pool = make(hbm=16, dram=32, max_model_len=32, async_loads=True)
+    cache_on_dram(s, r, pool)
+    s.add(req("b", [*range(24), 7, 7], max_tokens=2))
+    plan = s.schedule()
+    assert plan.empty
+    assert len(plan.loads) == 1
+    assert in_use(pool) == 6
+    assert s.has_work()
+    assert not s.can_schedule()
+    aborted = s.abort("b")
+    assert aborted is not None
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert in_use(pool) == 0
+    assert not s.has_work()
+    s.loaded("b")  # the load it started lands after all: nothing happens
+    assert not s.has_work()
+    assert s.schedule().empty
+    # Its blocks stay cached (in HBM now): the next request reuses them.
+    c = req("c", [*range(24), 8], max_tokens=1)
+    s.add(c)
+    plan = s.schedule()
+    assert not plan.loads
+    assert c.cached_by_medium()[Medium.HBM] == 24
 
 
 def test_a_prefix_a_running_request_holds_is_not_taken_again() -> None:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from engine_worker.profiles import default_profile
 from indexer.keys import block_keys, root_parent
+from indexer.media import Medium
 from indexer.profile import TimingProfile
 from kvrouter.bench.oracle import LruOracle, oracle_bound
 from kvrouter.bench.report import summarize
@@ -155,6 +156,41 @@ def test_one_request_on_an_idle_cluster_takes_the_profiles_step_times() -> None:
     assert rec.ttft_s == pytest.approx(prefill)
     assert rec.finish_s == pytest.approx(prefill + decode_1 + decode_2)
     assert rec.output_tokens == 3
+
+
+@pytest.mark.parametrize("async_loads", [False, True])
+def test_a_dram_load_stalls_a_running_decode_only_without_async_loads(async_loads: bool) -> None:
+    # One worker whose DRAM is slow (100 MB/s): "x" is cached, pushed half out of HBM
+    # by "y", and comes back while "d" decodes 200 tokens.
+    profile = msgspec.structs.replace(default_profile(), load_bandwidth={Medium.DRAM: 1e8})
+    config = SimConfig(
+        profile=profile, workers=1, hbm_blocks=100, dram_blocks=1000, ssd_blocks=0,
+        async_loads=async_loads,
+    )  # fmt: skip
+    trace = [
+        TraceRecord(0, 1000, 1, [1, 2]),  # x
+        TraceRecord(1000, 1000, 1, [3, 4]),  # y
+        TraceRecord(2000, 16, 200, [5]),  # d
+        TraceRecord(2100, 1020, 1, [1, 2]),  # x again: its tail is on DRAM
+    ]
+    result = run(trace, "round_robin", config)
+    _, _, d, again = result.records
+    dram = again.cached_tokens[1]
+    assert dram > 0
+    load = profile.load_seconds(dram, Medium.DRAM)
+    assert load > 0.2
+    # The returning request waits for its load either way.
+    assert again.ttft_s is not None
+    assert again.ttft_s >= load
+    # "d" takes the profile's decode steps (and a little more for the step it shares
+    # with the 28 tokens "x" computes); without async loads, also the load of the step
+    # that admits "x".
+    assert d.first_token_s is not None
+    assert d.finish_s is not None
+    decoding = d.finish_s - d.first_token_s
+    alone = sum(profile.step_seconds([], 1, 16 + i) for i in range(1, 200))
+    stall = 0.0 if async_loads else load
+    assert alone + stall < decoding < alone + stall + 0.05
 
 
 def test_an_overloaded_replay_reports_its_workers_busy_while_requests_arrive() -> None:
