@@ -4,6 +4,7 @@ charged for the delay its work imposes on the requests behind it.
 Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
 
     TTFT(w)  = max(queue(w), memory(w)) + load(w) + prefill(w)
+             = max(queue(w), memory(w), loads(w)) + load(w) + prefill(w)  (async loads)
     score(w) = TTFT(w) + externality_weight * (delayed(w) * TTFT(w) + landing(w)) / (1 - rho)
                + displacement(w)
 
@@ -14,9 +15,10 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   while the running decode batch (its published KV tokens) takes its share of
   every step, plus the attention the queued tokens pay to the context before
   their chunk (``queued_prefill_context``): a queued 100K-token prompt costs
-  several times its token count (``policies.cost_model``), plus bringing up the
-  queue's cached DRAM and SSD blocks (``queued_load_blocks``), which the step
-  admitting each request pays before any of it is computed; on a worker only
+  several times its token count (``policies.cost_model``), plus, where loads
+  stall the steps, bringing up the queue's cached DRAM and SSD blocks
+  (``queued_load_blocks``), which the step admitting each request pays before
+  any of it is computed; on a worker only
   decoding, the rest of the decode step in progress (half a step on average,
   ``step_residual_seconds``), which a new request waits out before its chunk
   joins the next step;
@@ -28,7 +30,11 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
 * ``load``: moving the matched blocks that sit on DRAM or SSD into HBM, at the
   worker's measured bandwidth per medium, else its profile's. vLLM's CPU
   offloading loads a request's blocks before computing it, so the load adds
-  to the prefill instead of overlapping it;
+  to the prefill instead of overlapping it. A worker that loads beside its
+  steps (the view's ``async_loads``, as vLLM's offloading connector does)
+  starts it once the loads before it (``loads``: the view's
+  ``queued_load_blocks``) are done, while the queue drains; its load then
+  delays no one else, and is no part of the ``work`` below;
 * ``prefill``: computing the uncached tokens after the cached ones, beside the
   same decode batch.
 
@@ -383,7 +389,11 @@ class KvTtftPolicy:
                 kv,
                 view.queued_prefill_context,
             )
-            queue += queued_load_seconds(view, profile)
+            # Loads stall the steps: the queue drains that much later. Beside the steps,
+            # they are a channel this request's own load waits on.
+            loads = queued_load_seconds(view, profile)
+            if not view.async_loads:
+                queue, loads = queue + loads, 0.0
             # Blocks it brings up from DRAM or SSD, and cached free HBM blocks (no running
             # request holds them: the router's annotation), leave the room it is priced on.
             lower = match.on(Medium.DRAM) + match.on(Medium.SSD) if match is not None else 0
@@ -393,9 +403,13 @@ class KvTtftPolicy:
             memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
+            # When its prefix is in HBM: loaded after those before it, while it queues.
+            ready = (max(wait, loads) if load > 0 else wait) + load
             prefill = prefill_seconds(profile, new, cached, batch, kv)
-            ttft = wait + load + prefill
-            work = load + profile.prefill_seconds(new, cached)
+            ttft = ready + prefill
+            # The compute it holds the worker for (and the load, where that stalls it).
+            stall = 0.0 if view.async_loads else load
+            work = stall + profile.prefill_seconds(new, cached)
             pull = 0.0
             if pulled:
                 # The peer's longer prefix as one more source: its blocks cross the network
@@ -412,11 +426,11 @@ class KvTtftPolicy:
                     matches[source], pulled, request.block_size,
                 )  # fmt: skip
                 pooled_prefill = prefill_seconds(profile, pooled_new, pooled_cached, batch, kv)
-                pooled = wait + load + pull + pooled_prefill
+                pooled = ready + pull + pooled_prefill
                 if pooled < ttft:
                     sources[view.host] = source
                     cached, new, prefill, ttft = pooled_cached, pooled_new, pooled_prefill, pooled
-                    work = load + profile.prefill_seconds(new, cached)
+                    work = stall + profile.prefill_seconds(new, cached)
                 else:
                     pulled, pull = 0, 0.0
             # What it brings into HBM evicts live cached blocks once the spare room is
@@ -439,6 +453,7 @@ class KvTtftPolicy:
                 "queue_s": queue,
                 "memory_wait_s": memory,
                 "load_s": load,
+                "load_queue_s": loads,
                 "pull_s": pull,
                 "pulled_blocks": float(pulled),
                 "prefill_s": prefill,

@@ -703,6 +703,34 @@ def test_a_queue_that_loads_a_long_prefix_from_dram_is_slower_than_its_tokens_sa
     assert KvTtftPolicy().choose(request(prompt), [unseen, computing], {}).worker == "loading"
 
 
+def test_loads_beside_the_steps_delay_only_the_loads_queued_behind_them() -> None:
+    # The workers of the test above, "loading" now bringing its blocks up beside its
+    # steps (async_loads): the 1,080 blocks delay no computation, so the cold prompt
+    # waits behind 261 queued tokens there, not 1,500.
+    prompt = tokens(512, seed=41)
+    loading = replace(
+        view("loading", running=1, queued=261),
+        queued_load_blocks={Medium.DRAM: 1_080},
+        async_loads=True,
+    )
+    computing = view("computing", running=1, queued=1_500)
+    d = KvTtftPolicy().choose(request(prompt), [loading, computing], {})
+    assert d.scores["loading"]["queue_s"] < d.scores["computing"]["queue_s"] < dram_load(1_080)
+    assert d.worker == "loading"
+    # A prompt with its own prefix on DRAM there loads after those 1,080 blocks: its
+    # first token comes no sooner than both loads, and its load is no work for others.
+    long = tokens(4096, seed=42)
+    held = {"loading": match("loading", dram=128)}
+    s = KvTtftPolicy().choose(request(long), [loading, computing], held).scores["loading"]
+    assert s["load_queue_s"] == pytest.approx(dram_load(1_080))
+    assert s["ttft_s"] > dram_load(1_080) + dram_load(128)
+    # Where loads stall the steps, the same prefix's load is work that delays others.
+    stalled = replace(loading, async_loads=False)
+    t = KvTtftPolicy().choose(request(long), [stalled, computing], held).scores["loading"]
+    assert t["load_queue_s"] == 0.0
+    assert t["work_s"] == pytest.approx(s["work_s"] + dram_load(128))
+
+
 def _live_groups(policy: KvTtftPolicy) -> list[list[int]]:
     """Three 4K-token group prompts, each reused on w0 (which holds it) at 0 s."""
     groups = [tokens(4096, seed=600 + i) for i in range(3)]
