@@ -410,7 +410,9 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: SchedulerPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seqs = self.config.max_num_seqs
+        # Those loading count: they run as soon as their loads land.
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < seqs:
             req = self.waiting[0]
             matched = self._match(req)
             cached_tokens = len(matched) * self.block_size

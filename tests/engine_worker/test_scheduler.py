@@ -368,6 +368,19 @@ def test_with_async_loads_a_dram_prefix_loads_beside_the_steps_and_nobody_waits(
     assert in_use(pool) == 0
 
 
+def test_requests_loading_count_against_max_num_seqs() -> None:
+    s, r, pool = make(hbm=16, dram=32, max_model_len=32, async_loads=True, max_num_seqs=1)
+    cache_on_dram(s, r, pool)
+    s.add(req("b", [*range(24), 7, 7], max_tokens=1))
+    s.add(req("c", list(range(300, 304)), max_tokens=1))
+    plan = s.schedule()
+    # "b" loads; "c" would make two sequences once "b" runs: it waits.
+    assert [q.request_id for q, _ in plan.loads] == ["b"]
+    assert plan.seqs == []
+    s.loaded("b")
+    assert [x.request.request_id for x in s.schedule().seqs] == ["b"]
+
+
 def test_a_request_aborted_while_loading_frees_its_blocks_and_its_load_is_ignored() -> None:
     s, r, pool = make(hbm=16, dram=32, max_model_len=32, async_loads=True)
     cache_on_dram(s, r, pool)
