@@ -46,6 +46,14 @@ def vllm_adapter(
         int, typer.Option(min=0, help="The engine's GPU KV blocks, for routers (0: unknown)")
     ] = 0,
     dram_blocks: Annotated[int, typer.Option(min=0, help="Its CPU offload blocks")] = 0,
+    async_loads: Annotated[
+        bool,
+        typer.Option(
+            help="Its CPU offloading brings blocks back beside the steps (vLLM's "
+            "OffloadingConnector does), so a load delays only its own request; off: "
+            "the step that loads them waits (routers price it as a stall)"
+        ),
+    ] = False,
     key_prefix: Annotated[str, typer.Option(help="Redis key prefix")] = "kvr",
     heartbeat_interval: Annotated[float, typer.Option(min=0.05, help="Seconds")] = 1.0,
     heartbeat_ttl: Annotated[float, typer.Option(min=0.1, help="Seconds")] = 5.0,
@@ -66,7 +74,7 @@ def vllm_adapter(
     capacity = {m: n for m, n in ((Medium.HBM, hbm_blocks), (Medium.DRAM, dram_blocks)) if n}
     view = WorkerView(
         host=host, url=url.rstrip("/"), model=model, block_size=block_size,
-        kv_capacity_blocks=capacity,
+        kv_capacity_blocks=capacity, async_loads=async_loads,
     )  # fmt: skip
 
     async def run() -> None:

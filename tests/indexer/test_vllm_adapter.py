@@ -376,6 +376,7 @@ async def test_the_cli_command_indexes_the_engine_heartbeats_it_and_withdraws_on
     args = ["--endpoint", vllm.endpoint, "--replay-endpoint", vllm.replay_endpoint,
             "--topic", "kv-events", "--host", host, "--model", MODEL, "--url", "http://vllm:8000/",
             "--redis", redis_url, "--block-size", str(B), "--hbm-blocks", "1000",
+            "--dram-blocks", "4000", "--async-loads",
             "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrouter", "vllm-adapter", *args, stdout=log, stderr=log
@@ -393,7 +394,8 @@ async def test_the_cli_command_indexes_the_engine_heartbeats_it_and_withdraws_on
         beat: Any = await client.get(ks.heartbeat(host))
         view = decode_view(beat)
         assert (view.url, view.model, view.block_size) == ("http://vllm:8000", MODEL, B)
-        assert view.kv_capacity_blocks == {HBM: 1000}
+        assert view.kv_capacity_blocks == {HBM: 1000, DRAM: 4000}
+        assert view.async_loads
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         # Withdrawn at once, so routers stop sending requests to an engine nobody tracks.
