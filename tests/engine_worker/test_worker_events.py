@@ -154,6 +154,8 @@ def test_heartbeat_registers_and_describes_the_worker(worker: str, redis_url: st
     assert view.url == worker
     assert view.kv_capacity_blocks == {Medium.HBM: 24, Medium.DRAM: 16, Medium.SSD: 0}
     assert view.profile is not None
+    # The torch runner copies DRAM blocks up in the step that admits their request.
+    assert view.async_loads is False
 
 
 def test_heartbeat_names_the_newest_batch_of_the_stream(worker: str, redis_url: str) -> None:

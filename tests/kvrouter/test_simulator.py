@@ -7,6 +7,7 @@ import json
 import random
 import statistics
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -173,7 +174,17 @@ def test_a_dram_load_stalls_a_running_decode_only_without_async_loads(async_load
         TraceRecord(2000, 16, 200, [5]),  # d
         TraceRecord(2100, 1020, 1, [1, 2]),  # x again: its tail is on DRAM
     ]
-    result = run(trace, "round_robin", config)
+    policy = make_policy("round_robin", seed=0)
+    choose = policy.choose
+    seen: set[bool] = set()
+
+    def spy(request: Any, views: Any, matches: Any) -> Any:
+        seen.update(v.async_loads for v in views)
+        return choose(request, views, matches)
+
+    policy.choose = spy  # type: ignore[method-assign,assignment]
+    result = simulate(trace, policy, config)
+    assert seen == {async_loads}  # the workers' views say how they load
     _, _, d, again = result.records
     dram = again.cached_tokens[1]
     assert dram > 0
