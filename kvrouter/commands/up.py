@@ -10,6 +10,9 @@ Redis. Children die with this process even if it is killed. The Redis URL
 and a generated internal token (workers require it on every route but
 ``/health`` and ``/metrics``; kept in ``LOG_DIR/internal-token``, mode 0600)
 reach the children through their environment, not their command lines.
+A child that exits is started again after a back-off, and so is the
+embedded Redis (empty: the workers resend their blocks); ``--no-restart``
+stops everything instead when the indexer, the gateway or Redis exits.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlsplit, urlunsplit
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvrouter.embedded_redis import EmbeddedRedis
 
 __all__ = ["register"]
 
@@ -173,6 +181,7 @@ def up(
             f"Audit the index: KVWORKER_INTERNAL_TOKEN=$(cat {token_file}) "
             f"kvrouter index audit --redis {masked(redis_url)}"
         )
+        redis_back = _RedisRevival(embedded, console) if embedded is not None else None
         while not stopping:
             if restart:
                 for child in sup.revive():
@@ -180,10 +189,14 @@ def up(
                         f"[yellow]{child.name} exited; started it again[/] "
                         f"(restart {child.restarts}, logs in {child.log_path})"
                     )
+                if redis_back is not None:
+                    redis_back.poll()
             else:
-                dead = sup.dead()
-                if any(c in dead for c in (indexer, gateway)):
-                    console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping[/]")
+                dead = [c.name for c in sup.dead()]
+                if embedded is not None and embedded.proc and embedded.proc.poll() is not None:
+                    dead.append("redis")
+                if set(dead) & {indexer.name, gateway.name, "redis"}:
+                    console.print(f"[red]{', '.join(dead)} exited; stopping[/]")
                     code = 1
                     break
             time.sleep(0.5)
@@ -196,6 +209,43 @@ def up(
         if embedded is not None:
             embedded.close()
     raise typer.Exit(code)
+
+
+class _RedisRevival:
+    """Starts the embedded Redis again when it exits, on the same port, after a back-off
+    (1 s, doubling to 30 s while starts fail). Its data is gone (it keeps nothing on
+    disk): the workers resend snapshots when Redis answers again and the indexer and
+    the gateways' mirrors rebuild from them, as after any Redis restart; meanwhile the
+    gateway routes on load alone."""
+
+    def __init__(self, embedded: EmbeddedRedis, console: Console) -> None:
+        self.embedded = embedded
+        self.console = console
+        self.backoff = 1.0
+        self.next_try = 0.0
+        self.restarts = 0
+
+    def poll(self) -> None:
+        """Start Redis again if it exited and its back-off has passed."""
+        proc = self.embedded.proc
+        if proc is None or proc.poll() is None or time.monotonic() < self.next_try:
+            return
+        status = proc.returncode
+        try:
+            self.embedded.start()
+        except RuntimeError as exc:
+            log.warning("redis exited (status %s) and did not start again: %s", status, exc)
+            self.next_try = time.monotonic() + self.backoff
+            self.backoff = min(self.backoff * 2, 30.0)
+            return
+        self.restarts += 1
+        self.backoff = 1.0
+        assert self.embedded.proc is not None
+        log.info("started redis (pid %d) at %s", self.embedded.proc.pid, self.embedded.url)
+        self.console.print(
+            f"[yellow]redis exited with status {status}; started it again[/] (restart "
+            f"{self.restarts}; its data is lost: the workers resend their blocks)"
+        )
 
 
 def masked(url: str) -> str:

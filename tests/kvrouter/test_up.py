@@ -15,9 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from typer.testing import CliRunner
 
 from engine_worker.profiles import load_profile
+from indexer.audit import AuditReport, audit
+from indexer.index import RedisIndex
+from indexer.wire import Keyspace
 from kvrouter.bench.live import cluster_views
 from kvrouter.cli import app
 from kvrouter.embedded_redis import free_port
@@ -177,6 +181,84 @@ def test_up_starts_a_killed_worker_again_and_routes_to_it(tmp_path: Path, redis_
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+    assert wait_gone(child_pids(log)) == []
+
+
+async def _audit(redis_url: str, token: str) -> AuditReport:
+    """The index against every live worker's blocks, retried while events are in flight."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return await audit(
+            client, RedisIndex(client, Keyspace()), internal_token=token, retries=80,
+            interval_s=0.25,
+        )  # fmt: skip
+    finally:
+        await client.aclose()
+
+
+def test_up_starts_its_redis_again_and_the_index_refills(tmp_path: Path) -> None:
+    # The embedded Redis killed (the OOM killer): the gateway kept serving on load alone,
+    # with no index and no discovery of a restarted worker, until `up` was run again.
+    proc, port, log = start_up(tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while "kvrouter is up" not in log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        found = re.search(r"started redis \(pid (\d+)\) at (\S+)", log.read_text())
+        assert found is not None
+        victim, redis_url = int(found[1]), found[2]
+        os.kill(victim, signal.SIGKILL)
+        again: list[str] = []
+        while not again:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+            again = re.findall(r"started redis \(pid (\d+)\)", log.read_text())[1:]
+        assert alive(int(again[0]))
+        assert "redis exited with status -9; started it again" in log.read_text()
+        for i in range(6):  # blocks for the index to hold
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": f"after the restart {i % 2} " * 20,
+                    "max_tokens": 2,
+                },
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+        # The workers' heartbeats reach the new, empty Redis (within a period), and it
+        # holds every block the workers hold again, and no other.
+        while {v.host for v in asyncio.run(cluster_views(redis_url))} != {"worker-0", "worker-1"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        token = (tmp_path / "logs" / "internal-token").read_text()
+        report = asyncio.run(_audit(redis_url, token))
+        assert sorted(h.host for h in report.hosts) == ["worker-0", "worker-1"]
+        assert report.ok, [h for h in report.hosts if not h.ok]
+        assert sum(sum(h.worker_blocks.values()) for h in report.hosts) > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    assert wait_gone(child_pids(log)) == []
+
+
+def test_without_restarts_up_stops_everything_when_its_redis_dies(tmp_path: Path) -> None:
+    proc, _, log = start_up(tmp_path, "--no-restart")
+    try:
+        deadline = time.monotonic() + 90
+        while "kvrouter is up" not in log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        found = re.search(r"started redis \(pid (\d+)\)", log.read_text())
+        assert found is not None
+        os.kill(int(found[1]), signal.SIGKILL)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "redis exited; stopping" in log.read_text()
+    assert "started it again" not in log.read_text()
     assert wait_gone(child_pids(log)) == []
 
 
