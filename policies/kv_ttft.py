@@ -403,7 +403,7 @@ class KvTtftPolicy:
             memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
-            # When its prefix is in HBM: loaded after those before it, while it queues.
+            # Its own DRAM/SSD blocks come up after the loads before them, while it queues.
             ready = (max(wait, loads) if load > 0 else wait) + load
             prefill = prefill_seconds(profile, new, cached, batch, kv)
             ttft = ready + prefill
