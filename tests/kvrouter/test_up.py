@@ -184,6 +184,17 @@ def test_up_starts_a_killed_worker_again_and_routes_to_it(tmp_path: Path, redis_
     assert wait_gone(child_pids(log)) == []
 
 
+def kill_redis(log: Path, deadline: float) -> str:
+    """Once ``up`` (logging to ``log``) is up, SIGKILL its embedded Redis; its URL."""
+    while "kvrouter is up" not in log.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    found = re.search(r"started redis \(pid (\d+)\) at (\S+)", log.read_text())
+    assert found is not None
+    os.kill(int(found[1]), signal.SIGKILL)
+    return found[2]
+
+
 async def _audit(redis_url: str, token: str) -> AuditReport:
     """The index against every live worker's blocks, retried while events are in flight."""
     client = aioredis.Redis.from_url(redis_url)
@@ -202,13 +213,7 @@ def test_up_starts_its_redis_again_and_the_index_refills(tmp_path: Path) -> None
     proc, port, log = start_up(tmp_path)
     try:
         deadline = time.monotonic() + 90
-        while "kvrouter is up" not in log.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        found = re.search(r"started redis \(pid (\d+)\) at (\S+)", log.read_text())
-        assert found is not None
-        victim, redis_url = int(found[1]), found[2]
-        os.kill(victim, signal.SIGKILL)
+        redis_url = kill_redis(log, deadline)
         again: list[str] = []
         while not again:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -246,13 +251,7 @@ def test_up_starts_its_redis_again_and_the_index_refills(tmp_path: Path) -> None
 def test_without_restarts_up_stops_everything_when_its_redis_dies(tmp_path: Path) -> None:
     proc, _, log = start_up(tmp_path, "--no-restart")
     try:
-        deadline = time.monotonic() + 90
-        while "kvrouter is up" not in log.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        found = re.search(r"started redis \(pid (\d+)\)", log.read_text())
-        assert found is not None
-        os.kill(int(found[1]), signal.SIGKILL)
+        kill_redis(log, time.monotonic() + 90)
         assert proc.wait(60) == 1
     finally:
         if proc.poll() is None:
