@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 import queue
 import threading
@@ -45,7 +44,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine_worker.request import FinishReason, Request
 from engine_worker.runners.base import Runner
-from engine_worker.scheduler import Scheduler, SchedulerPlan, StepOutput
+from engine_worker.scheduler import LoadChannel, Scheduler, SchedulerPlan, StepOutput
 from indexer.events import Event
 from indexer.media import Medium
 
@@ -157,10 +156,8 @@ class EngineLoop:
         self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-pool")
         self.steps = 0
         self.error: BaseException | None = None
-        #: Loads in flight (``async_loads``): (lands at, request id), soonest first, on
-        #: the ``perf_counter`` clock; and when the load channel is next free.
-        self._loads: list[tuple[float, str]] = []
-        self._loads_free_at = 0.0
+        #: Loads in flight (``async_loads``), on the ``perf_counter`` clock.
+        self._loads = LoadChannel()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -302,8 +299,8 @@ class EngineLoop:
         try:
             if block:
                 timeout = self.idle_wait_s
-                if self._loads:
-                    timeout = min(timeout, max(self._loads[0][0] - time.perf_counter(), 0.0))
+                if (lands := self._loads.next_at()) is not None:
+                    timeout = min(timeout, max(lands - time.perf_counter(), 0.0))
                 return self._commands.get(timeout=timeout)
             return self._commands.get_nowait()
         except queue.Empty:
@@ -311,18 +308,15 @@ class EngineLoop:
 
     def _land_loads(self) -> None:
         """Hand the loads that have landed to the scheduler (under the lock)."""
-        loads, now = self._loads, time.perf_counter()
-        while loads and loads[0][0] <= now:
-            self.scheduler.loaded(heapq.heappop(loads)[1])
+        for request_id in self._loads.landed(time.perf_counter()):
+            self.scheduler.loaded(request_id)
 
     def _start_loads(self, plan: SchedulerPlan, now: float) -> None:
         """Put the loads ``plan`` starts on the load channel, after those before them."""
         block_size = self.scheduler.block_size
         for req, media in plan.loads:
             seconds = self.runner.profile().blocks_load_seconds(media, block_size)
-            start = max(now, self._loads_free_at)
-            self._loads_free_at = done = start + seconds * self.time_scale
-            heapq.heappush(self._loads, (done, req.request_id))
+            self._loads.start(now, seconds * self.time_scale, req.request_id)
 
     def _drain(self, first: _Command | None) -> None:
         cmd = first
@@ -339,7 +333,8 @@ class EngineLoop:
                 # Waiting for work happens outside the lock: pool calls run meanwhile.
                 # With nothing to compute until a load lands, that wait ends when it does.
                 first = self._next(
-                    block=not self.scheduler.has_work() or (idle and bool(self._loads))
+                    block=not self.scheduler.has_work()
+                    or (idle and self._loads.next_at() is not None)
                 )
                 with self._lock:
                     self._drain(first)

@@ -26,6 +26,7 @@ that the step produces logits for the first output token.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from engine_worker.request import FinishReason, Request, RequestStatus
 from indexer.media import Medium
 
 __all__ = [
+    "LoadChannel",
     "LoadViewFields",
     "RequestTooLargeError",
     "ScheduledSeq",
@@ -553,3 +555,32 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
+
+
+@dataclass(slots=True)
+class LoadChannel:
+    """One worker's loads beside its steps (``async_loads``): one after another, first
+    come first served, on whatever clock the caller keeps (the engine loop's wall clock,
+    the simulator's virtual one)."""
+
+    #: When the channel is next free.
+    free_at: float = 0.0
+    #: Loads in flight: (lands at, request id), soonest first.
+    pending: list[tuple[float, str]] = field(default_factory=list)
+
+    def start(self, now: float, seconds: float, request_id: str) -> float:
+        """Queue a load of ``seconds`` after those before it; when it lands."""
+        self.free_at = done = max(now, self.free_at) + seconds
+        heapq.heappush(self.pending, (done, request_id))
+        return done
+
+    def landed(self, now: float) -> list[str]:
+        """The requests whose loads have landed by ``now`` (each once)."""
+        out = []
+        while self.pending and self.pending[0][0] <= now:
+            out.append(heapq.heappop(self.pending)[1])
+        return out
+
+    def next_at(self) -> float | None:
+        """When the next load lands (None: none in flight)."""
+        return self.pending[0][0] if self.pending else None

@@ -58,7 +58,7 @@ from engine_worker.profiles import default_profile
 from engine_worker.request import Request, SamplingParams
 from engine_worker.runners.base import StepResult
 from engine_worker.runners.sim import SimRunner
-from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerPlan
+from engine_worker.scheduler import LoadChannel, Scheduler, SchedulerConfig, SchedulerPlan
 from indexer.events import EventBatch
 from indexer.index.base import ApplyStatus
 from indexer.index.memory import MemoryIndex
@@ -306,10 +306,8 @@ class _Worker:
     #: Its timing profile (the step budget applied): what its runner models and its
     #: view publishes.
     profile: TimingProfile = field(default_factory=default_profile)
-    #: With ``async_loads``: when its load channel is next free, and the loads in
-    #: flight as (done at, request id), soonest first.
-    loads_free_at: float = 0.0
-    loads: list[tuple[float, str]] = field(default_factory=list)
+    #: Its loads beside the steps (``async_loads``).
+    loads: LoadChannel = field(default_factory=LoadChannel)
 
 
 @dataclass(slots=True)
@@ -650,18 +648,15 @@ class _Cluster:
     def start_step(self, w: _Worker, now: float) -> None:
         """Plan and time the worker's next step, or leave it idle when it has no work (or
         only loads in flight: the first to land wakes it)."""
-        while w.loads and w.loads[0][0] <= now:
-            w.scheduler.loaded(heapq.heappop(w.loads)[1])
+        for request_id in w.loads.landed(now):
+            w.scheduler.loaded(request_id)
         plan = w.scheduler.schedule()
         for req, media in plan.loads:
-            # One load channel per worker (its PCIe link, its SSD), first come first served.
-            start = max(now, w.loads_free_at)
             seconds = w.profile.blocks_load_seconds(media, self.config.block_size)
-            done = w.loads_free_at = start + seconds
-            heapq.heappush(w.loads, (done, req.request_id))
+            done = w.loads.start(now, seconds, req.request_id)
             heapq.heappush(self.heap, (done, next(self.tiebreak), _WAKE - w.slot))
         if plan.empty:
-            if w.scheduler.can_schedule() and not w.loads:
+            if w.scheduler.can_schedule() and w.loads.next_at() is None:
                 raise SimulationError(f"{w.host} has work but cannot schedule any of it")
             w.step = None
             return
