@@ -167,12 +167,20 @@ class Speculation:
         spec = self.prefix_blocks(host, keys)
         if spec == 0:
             return match
-        if match is None or match.blocks <= spec:
+        if match is None:
             return PrefixMatch(host, spec, (spec, 0, 0))
+        # The router's note of the index's HBM blocks no request holds stays: the blocks
+        # this policy just placed are no more held than the index says.
+        idle = match.idle_hbm
+        if match.blocks <= spec:
+            return PrefixMatch(host, spec, (spec, 0, 0), idle_hbm=idle)
         rest = match.blocks - spec
         ssd = min(match.on(Medium.SSD), rest)
         dram = min(match.on(Medium.DRAM), rest - ssd)
-        return PrefixMatch(host, match.blocks, (match.blocks - ssd - dram, dram, ssd))
+        hbm = match.blocks - ssd - dram
+        return PrefixMatch(
+            host, match.blocks, (hbm, dram, ssd), idle_hbm=None if idle is None else min(idle, hbm)
+        )
 
     def pending(self, view: WorkerView, now: float) -> tuple[int, int]:
         """(tokens, requests) routed to the worker that its view does not show yet."""

@@ -359,6 +359,24 @@ def test_a_cached_prefix_no_running_request_holds_uses_the_room_it_is_priced_on(
     assert wait(256) > 0.0
 
 
+def test_a_follow_up_turn_keeps_the_idle_note_of_the_prefix_its_last_turn_left() -> None:
+    # The agent replay (seed 1, t = 14.82 s): this policy had routed the previous step
+    # here, so it knows the prefix without the index (speculation), and that knowledge
+    # dropped the router's note that none of those HBM blocks is held: the step was
+    # predicted 57 ms without a memory wait and waited ~400 ms for room. The same view as
+    # above: the 4K-token prefix left by the last turn is cached free.
+    prompt = tokens(4_352, seed=33)
+    w = view(
+        "w", running=13, running_kv=57_000, mean_output=106.0, active=2_311, hbm_capacity=2_560
+    )
+    policy = KvTtftPolicy()
+    policy.choose(request(prompt[:4_096], rid="last"), [w], {})
+    m = PrefixMatch("w", 256, (256, 0, 0), idle_hbm=256)
+    scores = policy.choose(request(prompt, now=1.0), [w], {"w": m}).scores["w"]
+    assert scores["cached_tokens"] == 4_096
+    assert scores["memory_wait_s"] > 0.0
+
+
 def test_a_queue_holding_one_very_long_prompt_is_longer_than_its_token_count_says() -> None:
     # "long" has one 100K-token prompt queued; "many" has 110K tokens of 1K-token prompts.
     # By tokens "long" is shorter; by time the 100K prompt's later chunks attend to
