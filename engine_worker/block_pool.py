@@ -214,6 +214,12 @@ class BlockPool:
             out.append(block)
         return out
 
+    def in_use(self, key: int) -> bool:
+        """Whether ``key``'s block sits in HBM referenced by a request (or pinned): a
+        request matching it shares it instead of taking it out of the free queue."""
+        block = self._cached.get(key)
+        return block is not None and block.medium is Medium.HBM and block.ref_cnt > 0
+
     def usage(self) -> dict[Medium, int]:
         """Blocks holding data (in use or cached) per medium."""
         return {m: self._capacity.of(m) - self._empty[m] for m in MEDIA}

@@ -17,7 +17,7 @@ same kind of inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from msgspec.structs import replace
@@ -25,7 +25,7 @@ from msgspec.structs import replace
 from indexer.media import Medium
 from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import HeldBlocks, Load
+from kvrouter.gateway.load import Load
 from kvrouter.gateway.pd import PdPlan, PdPlanner
 from policies.base import Decision, NoWorkerError, PlacingPolicy, Policy, RouteRequest
 
@@ -46,8 +46,10 @@ LoadOf = Callable[[str], Load]
 #: The router's count for a worker when the heartbeat it is handed was taken
 #: (None: not known for that heartbeat).
 SeenOf = Callable[[WorkerView], Load | None]
-#: The block keys the router's running requests hold on a worker (None: none).
-HeldOf = Callable[[str], HeldBlocks | None]
+#: The block keys running requests hold on a worker (None: none): the router's own
+#: running requests (``kvrouter.gateway.load.HeldBlocks``), or with exact views the
+#: worker's own pool.
+HeldOf = Callable[[str], Container[int] | None]
 
 
 #: The view's figures the router's own counts are laid over: (view field, ``Load`` field).
@@ -137,13 +139,13 @@ def annotate_idle(
         if hbm > 0:
             held = held_of(host)
             n = min(m.blocks, len(keys))
-            unheld = n - (_held_prefix(keys, n, held) if held else 0)
+            unheld = n - (_held_prefix(keys, n, held) if held is not None else 0)
             m = replace(m, idle_hbm=max(0, min(hbm, unheld - (m.blocks - hbm))))
         out[host] = m
     return out
 
 
-def _held_prefix(keys: Sequence[int], n: int, held: HeldBlocks) -> int:
+def _held_prefix(keys: Sequence[int], n: int, held: Container[int]) -> int:
     """How many of the first ``n`` keys ``held`` holds, as a prefix."""
     lo, hi = 0, n
     while lo < hi:

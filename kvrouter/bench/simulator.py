@@ -33,7 +33,8 @@ each term is the router's count now plus what the heartbeat showed beyond the
 router's count when it was taken (as the gateway dates a heartbeat by its
 age). The core also
 marks each prefix match's HBM blocks that none of those running requests
-holds (``PrefixMatch.idle_hbm``), from the same held keys.
+holds (``PrefixMatch.idle_hbm``), from the same held keys; with exact views, the
+HBM blocks no request on the worker references, from its pool.
 
 Requests hold the keys the router computed (``indexer.keys.block_keys`` from
 the same root), so a prompt is hashed once per replay, as its tokens are known.
@@ -310,6 +311,16 @@ class _Worker:
     loads: LoadChannel = field(default_factory=LoadChannel)
 
 
+@dataclass(frozen=True, slots=True)
+class _InUse:
+    """The block keys a worker's requests hold in HBM, read from its pool (exact views)."""
+
+    pool: BlockPool
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, int) and self.pool.in_use(key)
+
+
 @dataclass(slots=True)
 class _Transfer:
     """KV blocks on their way to ``target``, and the request that waits for them.
@@ -484,6 +495,11 @@ class _Cluster:
         """The block keys the router's running requests hold on ``host``."""
         return self.by_host[host].tracked_held
 
+    def pool_held_of(self, host: str) -> _InUse:
+        """The block keys requests hold on ``host`` now, as its pool knows them (the
+        exact views' counterpart of :meth:`held_of`)."""
+        return _InUse(self.by_host[host].pool)
+
     def decide(self, i: int, now: float, tokens: int, keys: list[int]) -> CoreDecision:
         """Route trace request ``i`` through the router core, as the gateway does."""
         rec, cfg = self.trace[i], self.config
@@ -496,7 +512,7 @@ class _Cluster:
             out = self.core.decide(
                 request, self.views(now), None if exact else self.tracked,
                 self.index.match_sync(keys), clock=now,
-                held_of=None if exact else self.held_of,
+                held_of=self.pool_held_of if exact else self.held_of,
                 seen_of=None if exact else self.seen_of,
             )  # fmt: skip
         except NoWorkerError as exc:

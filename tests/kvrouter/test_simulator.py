@@ -17,6 +17,7 @@ from engine_worker.profiles import default_profile
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
 from indexer.profile import TimingProfile
+from indexer.views import PrefixMatch
 from kvrouter.bench.oracle import LruOracle, oracle_bound
 from kvrouter.bench.report import summarize
 from kvrouter.bench.simulator import (
@@ -311,6 +312,39 @@ def test_a_repeated_prompt_hits_the_cache_on_the_same_worker() -> None:
     assert second.ttft_s is not None
     assert first.ttft_s is not None
     assert second.ttft_s < first.ttft_s
+
+
+def test_exact_views_mark_the_matched_hbm_blocks_no_request_holds_as_idle() -> None:
+    # As the gateway marks them from its running requests' keys: "again" finds "first"'s
+    # prompt cached in HBM with no request holding it (taking it leaves the free queue);
+    # "third" arrives while "again" decodes and holds the same blocks (shared, nothing
+    # taken).
+    trace = [
+        TraceRecord(0, 1024, 1, [1, 2]),  # first
+        TraceRecord(1000, 1100, 400, [1, 2, 3]),  # again: decodes for a while
+        TraceRecord(1200, 1100, 1, [1, 2, 4]),  # third: while "again" decodes
+    ]
+    config = SimConfig(workers=1, hbm_blocks=400, dram_blocks=0, ssd_blocks=0)
+    policy = make_policy("round_robin", seed=0)
+    choose = policy.choose
+    seen: list[PrefixMatch | None] = []
+
+    def spy(request: Any, views: Any, matches: Any) -> Any:
+        seen.append(matches.get("w0"))
+        return choose(request, views, matches)
+
+    policy.choose = spy  # type: ignore[method-assign,assignment]
+    _, again, third = simulate(trace, policy, config).records
+    assert third.first_token_s is not None
+    assert again.finish_s is not None
+    assert again.first_token_s is not None
+    assert again.first_token_s < third.arrival_s < again.finish_s
+    assert seen[0] is None
+    blocks = 1024 // config.block_size
+    assert seen[1] == PrefixMatch("w0", blocks, (blocks, 0, 0), idle_hbm=blocks)
+    assert seen[2] is not None
+    assert seen[2].on(Medium.HBM) == blocks
+    assert seen[2].idle_hbm == 0
 
 
 def test_time_scale_compresses_arrivals() -> None:
