@@ -341,6 +341,34 @@ def queued_load_seconds(view: WorkerView, profile: TimingProfile) -> float:
     return blocks_load_seconds(view, profile, view.queued_load_blocks, view.block_size)
 
 
+def async_load_seconds(
+    profile: TimingProfile,
+    load: float,
+    after: float,
+    queued_tokens: int,
+    decode_batch: int,
+    decode_kv_tokens: int,
+) -> float:
+    """From a request's admission to the first step that can compute it, when its
+    DRAM/SSD blocks load beside the steps (``WorkerView.async_loads``).
+
+    The scheduler admits it at a step boundary and starts its load, ``after`` seconds
+    behind the loads queued before it; the step planned at that boundary runs without
+    it, and so does every step that starts before the load lands (vLLM likewise takes a
+    request whose KV is still arriving into the first schedule after it landed). On a
+    worker only decoding, steps are decode steps: the load is rounded up to whole steps,
+    at least one. With prefill queued, it is admitted while the queue ahead drains and
+    the rounding is lost in the queue's own wait (which the caller takes the larger
+    of); on an idle worker the load lands and a step starts at once.
+    """
+    if queued_tokens > 0 or decode_batch <= 0:
+        return after + load
+    step = profile.decode_seconds(decode_batch, decode_kv_tokens)
+    if step <= 0:
+        return after + load
+    return step * math.ceil((after + load) / step)
+
+
 def blocks_load_seconds(
     view: WorkerView, profile: TimingProfile, blocks: Mapping[Medium, int], block_size: int
 ) -> float:

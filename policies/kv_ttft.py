@@ -4,7 +4,7 @@ charged for the delay its work imposes on the requests behind it.
 Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
 
     TTFT(w)  = max(queue(w), memory(w)) + load(w) + prefill(w)
-             = max(queue(w), memory(w), loads(w)) + load(w) + prefill(w)  (async loads)
+             = max(queue(w), memory(w), loads(w)) + load(w)^ + prefill(w)  (async loads)
     score(w) = TTFT(w) + externality_weight * (delayed(w) * TTFT(w) + landing(w)) / (1 - rho)
                + displacement(w)
 
@@ -34,7 +34,10 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   steps (the view's ``async_loads``, as vLLM's offloading connector does)
   starts it once the loads before it (``loads``: the view's
   ``queued_load_blocks``) are done, while the queue drains; its load then
-  delays no one else, and is no part of the ``work`` below;
+  delays no one else, and is no part of the ``work`` below. The request is
+  computed in the first step that starts after its load lands, so on a worker
+  only decoding ``^`` rounds the load up to whole decode steps, at least one
+  (``async_load_seconds``);
 * ``prefill``: computing the uncached tokens after the cached ones, beside the
   same decode batch.
 
@@ -164,6 +167,7 @@ from indexer.views import PrefixMatch, WorkerView
 from policies.arrivals import RouteRates
 from policies.base import Decision, NoWorkerError, RouteRequest, Scored
 from policies.cost_model import (
+    async_load_seconds,
     decode_batch,
     displacement_seconds,
     hbm_room_blocks,
@@ -403,8 +407,14 @@ class KvTtftPolicy:
             memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
-            # Its own DRAM/SSD blocks come up after the loads before them, while it queues.
-            ready = (max(wait, loads) if load > 0 else wait) + load
+            if load > 0 and view.async_loads:
+                # Its own DRAM/SSD blocks come up after the loads before them, while it
+                # queues, and it computes in the first step starting after they land.
+                ready = wait + async_load_seconds(
+                    profile, load, max(loads - wait, 0.0), view.queued_prefill_tokens, batch, kv
+                )
+            else:
+                ready = wait + load
             prefill = prefill_seconds(profile, new, cached, batch, kv)
             ttft = ready + prefill
             # The compute it holds the worker for (and the load, where that stalls it).

@@ -749,6 +749,34 @@ def test_loads_beside_the_steps_delay_only_the_loads_queued_behind_them() -> Non
     assert t["work_s"] == pytest.approx(s["work_s"] + dram_load(128))
 
 
+def test_a_prefix_loaded_beside_the_steps_is_computed_a_step_after_its_admission() -> None:
+    # "dram" decodes 32 requests (10 ms steps) and holds 960 of the prompt's 1,024 tokens
+    # on DRAM (a 2.5 ms load); "idle" holds nothing. The scheduler admits the request at
+    # the end of the decode step in progress and starts the load, but the step planned
+    # there runs without it: it is computed in the step after, a whole decode step later
+    # however short the load. Priced as "half a step, the load, the prefill" (18.9 ms),
+    # "dram" beat recomputing on "idle" (24.1 ms); the groups replay measured such
+    # requests at 1.5x their prediction (median).
+    prompt = tokens(1024, seed=7)
+    dram = replace(view("dram", running=32, running_kv=64_000), async_loads=True)
+    step = PROFILE.decode_seconds(32, 64_000)
+    d = KvTtftPolicy().choose(
+        request(prompt), [dram, view("idle")], {"dram": match("dram", dram=60)}
+    )
+    s = d.scores["dram"]
+    assert s["load_s"] < step / 2
+    assert s["ttft_s"] == pytest.approx(s["wait_s"] + step + s["prefill_s"])
+    assert d.worker == "idle"
+    # A load longer than a step lands during a later one and waits for it to end.
+    slow = replace(dram, load_bandwidth={Medium.DRAM: 1e9})
+    t = KvTtftPolicy().choose(request(prompt), [slow], {"dram": match("dram", dram=60)})
+    u = t.scores["dram"]
+    assert u["load_s"] > step
+    assert u["ttft_s"] == pytest.approx(
+        u["wait_s"] + step * math.ceil(u["load_s"] / step) + u["prefill_s"]
+    )
+
+
 def _live_groups(policy: KvTtftPolicy) -> list[list[int]]:
     """Three 4K-token group prompts, each reused on w0 (which holds it) at 0 s."""
     groups = [tokens(4096, seed=600 + i) for i in range(3)]
