@@ -92,6 +92,11 @@ they land would recompute them, so it prices its own pull instead. And a
 pull is priced only for the blocks that fit in the HBM room admitted work
 leaves on ``w`` (``hbm_room_blocks``): a worker imports only what fits, and
 the cached copy is the first thing its queued requests' allocations evict.
+A request loading its prefix beside the steps is the same case inside one
+worker: admitted, but computed only once its load lands, it waits behind the
+chunks of a prompt admitted meanwhile (running requests are scheduled in
+order); the policy remembers when the loads it sent should land, and a
+candidate pays for each landing while its own prefill runs.
 
 What a request brings into ``w``'s HBM (the blocks it computes, pulls or
 loads from DRAM and SSD) evicts cached blocks once the room admitted work
@@ -316,6 +321,9 @@ class KvTtftPolicy:
         self.home_band_s = home_band_s
         self._busy = 0.0
         self._landing: dict[str, list[float]] = {}
+        #: Per worker, when the requests this policy sent there to load their prefix
+        #: beside the steps become computable.
+        self._loaded: dict[str, list[float]] = {}
 
     def choose(
         self,
@@ -510,6 +518,14 @@ class KvTtftPolicy:
             # it (they are bound here by the pull): each waits the rest of this work.
             end = now + s["ttft_s"]
             landing = sum(min(work, end - t) for t in self._landing.get(host, ()) if t < end)
+            # Requests loading their prefix beside the steps there are admitted already
+            # but computed only once it lands: landing while this prefill runs, they wait
+            # for its chunks (running requests are scheduled in order, and it came first);
+            # landing before it starts, they go first.
+            start = end - s["prefill_s"]
+            landing += sum(
+                min(work, end - t) for t in self._loaded.get(host, ()) if start < t < end
+            )
             s["landing_s"] = landing
             s["externality_s"] = externality = (delayed * s["ttft_s"] + landing) * stretch
             s["total"] = total = (
@@ -577,6 +593,11 @@ class KvTtftPolicy:
             self.speculation.record(worker, keys[:matched], new, now, ttft_s)
         else:
             self.speculation.record(worker, keys, new, now, ttft_s)
+            if terms is not None and terms["load_s"] > 0 and scored.views[worker].async_loads:
+                # Computable once its load lands: the step after (see async_load_seconds).
+                self._loaded.setdefault(worker, []).append(
+                    now + terms["ttft_s"] - terms["prefill_s"]
+                )
         self.routed.record(worker, now)
         if terms is None:
             return  # not a candidate: nothing to weigh it against
@@ -622,13 +643,14 @@ class KvTtftPolicy:
         return best, (returned, None)
 
     def _expire_landings(self, now: float) -> None:
-        """Forget the pulls that have landed by ``now``."""
-        for host in list(self._landing):
-            left = [t for t in self._landing[host] if t > now]
-            if left:
-                self._landing[host] = left
-            else:
-                del self._landing[host]
+        """Forget the pulls and loads that have landed by ``now``."""
+        for landings in (self._landing, self._loaded):
+            for host in list(landings):
+                left = [t for t in landings[host] if t > now]
+                if left:
+                    landings[host] = left
+                else:
+                    del landings[host]
 
     @staticmethod
     def _holders(keys: Sequence[int], matches: Mapping[str, PrefixMatch]) -> list[tuple[str, int]]:

@@ -777,6 +777,28 @@ def test_a_prefix_loaded_beside_the_steps_is_computed_a_step_after_its_admission
     )
 
 
+def test_a_long_prefill_does_not_overtake_a_prefix_loading_beside_the_steps() -> None:
+    # "doc" goes to "a", which holds its 16K-token prefix on DRAM: admitted at once, it
+    # is computed once the load lands (~50 ms). A cold 8K-token prompt routed to "a" 5 ms
+    # later would be admitted before that, and its chunks, scheduled first, would hold
+    # "doc" back for most of its 200 ms prefill (the mixed replay, seed 3, saturated: a
+    # request predicted 0.10 s waited 1.27 s so). "b" is a little slower for the prompt
+    # (1K tokens queued) and delays no one.
+    policy = KvTtftPolicy()
+    a = replace(view("a", running=8, running_kv=16_000), async_loads=True)
+    b = replace(view("b", running=8, running_kv=16_000, queued=1_024), async_loads=True)
+    doc = request(tokens(16_448, seed=5), rid="doc")
+    assert policy.choose(doc, [a, b], {"a": match("a", dram=1_024)}).worker == "a"
+    loading = replace(
+        a, waiting=1, in_flight=1, queued_prefill_tokens=64,
+        queued_load_blocks={Medium.DRAM: 1_024},
+    )  # fmt: skip
+    d = policy.choose(request(tokens(8_192, seed=6), rid="cold", now=0.005), [loading, b], {})
+    assert d.scores["a"]["ttft_s"] < d.scores["b"]["ttft_s"]
+    assert d.scores["a"]["landing_s"] > d.scores["a"]["prefill_s"] / 2
+    assert d.worker == "b"
+
+
 def _live_groups(policy: KvTtftPolicy) -> list[list[int]]:
     """Three 4K-token group prompts, each reused on w0 (which holds it) at 0 s."""
     groups = [tokens(4096, seed=600 + i) for i in range(3)]
