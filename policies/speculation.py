@@ -169,8 +169,9 @@ class Speculation:
             return match
         if match is None:
             return PrefixMatch(host, spec, (spec, 0, 0))
-        # The router's note of the index's HBM blocks no request holds stays: the blocks
-        # this policy just placed are no more held than the index says.
+        # The router's note of the matched HBM blocks no request holds (idle_hbm) carries
+        # over; blocks known only from speculation are being computed by the request
+        # routed there just now, so they count as held.
         idle = match.idle_hbm
         if match.blocks <= spec:
             return PrefixMatch(host, spec, (spec, 0, 0), idle_hbm=idle)
