@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_worker.http_errors import ServerErrors, error_response, install_error_handlers
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware
+from engine_worker.http_stream import ClosingStreamingResponse
 from engine_worker.kv_transfer import MAX_TRANSFER_BLOCKS, TransferError
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.protocol import (
@@ -144,16 +145,21 @@ def create_app(settings: WorkerSettings, *, registry: CollectorRegistry | None =
     async def respond(gen: Generation, request: Request) -> Response:
         rid = {"X-Request-Id": gen.prep.request_id}
         try:
+            # The request is running on the engine from here: a client gone before its
+            # body starts must still abort it (on_close), not wait for the collector.
             if gen.prep.stream:
                 deltas, close = await to_first_token(gen)
-                return StreamingResponse(
+                return ClosingStreamingResponse(
                     _stream_body(gen, deltas, close),
+                    on_close=close,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", **rid},
                 )
             if request.headers.get(MARK_FIRST_TOKEN_HEADER):
-                return StreamingResponse(
-                    await marked_body(gen),
+                body, close = await marked_body(gen)
+                return ClosingStreamingResponse(
+                    body,
+                    on_close=close,
                     media_type="application/json",
                     headers={FIRST_TOKEN_HEADER: "marked", **rid},
                 )

@@ -550,12 +550,14 @@ async def full_body(gen: Generation, deltas: AsyncIterator[Delta] | None = None)
     return body
 
 
-async def marked_body(gen: Generation) -> AsyncIterator[bytes]:
+async def marked_body(gen: Generation) -> tuple[AsyncIterator[bytes], Close]:
     """A non-streaming body whose first byte marks the first token
     (``MARK_FIRST_TOKEN_HEADER``): one space once the first token is out, the JSON
     body when the request is done. Runs the request up to its first token before it
     returns, so that a failure before it (a prompt too long) keeps its status; one
     after it breaks the connection, which a router answers as a worker failure.
+    Returns the body and the call that ends the request on the engine if it has not
+    ended (call it however the response ends: the body may never be iterated).
     """
     deltas, close = await to_first_token(gen)
 
@@ -567,4 +569,4 @@ async def marked_body(gen: Generation) -> AsyncIterator[bytes]:
         finally:
             await close()  # aborts the request on the engine if it did not end
 
-    return body()
+    return body(), close

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -22,7 +22,7 @@ import httpx
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,6 +35,7 @@ from engine_worker.http_errors import (
     install_error_handlers,
 )
 from engine_worker.http_limits import BearerAuthMiddleware, BodyLimitMiddleware, replay_body
+from engine_worker.http_stream import ClosingStreamingResponse, disconnected
 from engine_worker.model.registry import resolve
 from engine_worker.pd import remote_address
 from engine_worker.profiles import default_profile
@@ -518,7 +519,7 @@ async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | N
     """
     task = asyncio.current_task()
     assert task is not None
-    gone = asyncio.ensure_future(_disconnected(request.receive))
+    gone = asyncio.ensure_future(disconnected(request.receive))
     left = finished = False
 
     def on_gone(fut: asyncio.Future[None]) -> None:
@@ -540,12 +541,6 @@ async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | N
     finally:
         finished = True
         gone.cancel()
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client has gone (the request body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _respond(
@@ -589,7 +584,7 @@ async def _respond(
         ctype = up.headers.get("content-type", "application/json")
         return Response(up.first, status_code=up.status, media_type=ctype, headers=headers)
     stream = _Stream(gw, up, body.include_usage, endpoint, policy, t0)
-    return _RelayResponse(
+    return ClosingStreamingResponse(
         stream.relay(),
         on_close=stream.close,
         media_type="text/event-stream",
@@ -698,36 +693,6 @@ def _observe_usage(gw: Gateway, usage: dict[str, Any] | None) -> None:
     for medium, n in (usage.get("cached_tokens_by_medium") or {}).items():
         if n:
             gw.metrics.prefix_hit_tokens.labels(medium).inc(n)
-
-
-class _RelayResponse(StreamingResponse):
-    """A streaming response that runs ``on_close`` however it ends, even if never iterated.
-
-    Starlette does not iterate the body of a response whose client left before
-    it started, and an async generator that never started never runs its
-    ``finally``: cleanup must not live (only) there.
-    """
-
-    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Starlette's own __call__ (ASGI spec < 2.4, as uvicorn's) watches for the client
-        # leaving in an anyio task group; two plain tasks do the same for less.
-        try:
-            relay = asyncio.ensure_future(self.stream_response(send))
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                relay.cancel()
-                gone.cancel()
-                await asyncio.gather(relay, gone, return_exceptions=True)
-            if not relay.cancelled() and (exc := relay.exception()) is not None:
-                raise exc
-        finally:
-            await self._on_close()
 
 
 @dataclass(slots=True)
