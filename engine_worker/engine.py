@@ -135,6 +135,7 @@ class EngineLoop:
         on_change: Callable[[], None] | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.05,
+        step_estimate: Callable[[SchedulerPlan], float] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -146,6 +147,11 @@ class EngineLoop:
         #: of an exception (not when stopped).
         self.on_crash = on_crash
         self.idle_wait_s = idle_wait_s
+        #: Seconds a planned step is expected to take (None: not estimated).
+        self.step_estimate = step_estimate
+        #: When the step in progress is expected to end (``time.time()`` clock; 0.0: no
+        #: step in progress, or not estimated): heartbeats publish it (``step_ends_ts``).
+        self.step_ends = 0.0
         self._changed = False
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._consumers: dict[str, _Consumer] = {}
@@ -351,6 +357,8 @@ class EngineLoop:
                 idle = plan is None or plan.empty
                 if not idle:
                     assert plan is not None
+                    if self.step_estimate is not None:
+                        self.step_ends = time.time() + self.step_estimate(plan)
                     self._step(plan, t0)
                 with self._lock:
                     self._flush_events()
@@ -374,6 +382,7 @@ class EngineLoop:
             remaining = result.duration_s * self.time_scale - (time.perf_counter() - t0)
             if remaining > 0:
                 self._stop.wait(remaining)
+        self.step_ends = 0.0
         with self._lock:
             outputs = self.scheduler.update(plan, result.sampled)
             self.steps += 1

@@ -175,6 +175,9 @@ class SchedulerLoad:
         active_blocks: HBM blocks the running requests hold (free cached blocks excluded).
         mean_output_tokens: Moving average of the tokens finished requests generated
             (0.0 until one finished): how long a request holds its KV memory.
+        step_prefill_tokens: Of ``queued_prefill_tokens``, those the step planned and not
+            yet folded in computes (its prefill chunks): they are done when it ends.
+        step_prefill_context: Their share of ``queued_prefill_context``.
     """
 
     running: int = 0
@@ -186,6 +189,8 @@ class SchedulerLoad:
     running_kv_tokens: int = 0
     active_blocks: int = 0
     mean_output_tokens: float = 0.0
+    step_prefill_tokens: int = 0
+    step_prefill_context: int = 0
 
     def view_fields(self, queued_extra_tokens: int = 0) -> LoadViewFields:
         """The :class:`~indexer.views.WorkerView` load fields (one mapping for a worker's
@@ -201,6 +206,8 @@ class SchedulerLoad:
             running_kv_tokens=self.running_kv_tokens,
             kv_active_blocks=self.active_blocks,
             mean_output_tokens=self.mean_output_tokens,
+            step_prefill_tokens=self.step_prefill_tokens,
+            step_prefill_context=self.step_prefill_context,
         )
 
 
@@ -216,6 +223,8 @@ class LoadViewFields(TypedDict):
     running_kv_tokens: int
     kv_active_blocks: int
     mean_output_tokens: float
+    step_prefill_tokens: int
+    step_prefill_context: int
 
 
 #: Weight of the newest finished request in :attr:`SchedulerLoad.mean_output_tokens`.
@@ -243,6 +252,9 @@ class Scheduler:
         self._mean_output = 0.0
         #: Blocks the step planned and not yet folded in brings up from each lower medium.
         self._loading: dict[Medium, int] = {}
+        #: The prefill tokens (and their attention work) of the step planned and not yet
+        #: folded in: queued until it ends, and computing meanwhile.
+        self._stepping: tuple[int, int] = (0, 0)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -314,6 +326,13 @@ class Scheduler:
         """Requests waiting to start (or preempted, or loading their prefix)."""
         return len(self.waiting) + len(self.loading)
 
+    @property
+    def stepping(self) -> tuple[int, int]:
+        """The prefill tokens, and their attention work, of the step planned and not yet
+        folded in (:attr:`SchedulerLoad.step_prefill_tokens`); one read, safe from another
+        thread."""
+        return self._stepping
+
     def queued_prefill_tokens(self) -> int:
         """Tokens still to prefill over all requests (the router's queue-wait signal).
 
@@ -357,6 +376,8 @@ class Scheduler:
             running_kv_tokens=running_kv,
             active_blocks=self.pool.capacity().hbm - self.pool.num_free(Medium.HBM),
             mean_output_tokens=self._mean_output,
+            step_prefill_tokens=self._stepping[0],
+            step_prefill_context=self._stepping[1],
         )
 
     def has_work(self) -> bool:
@@ -409,6 +430,16 @@ class Scheduler:
         if not plan.preempted:
             self._admit(plan, budget)
         self._loading = plan.loaded_blocks
+        # The chunks load() counts as queued (a request with more than one token left to
+        # compute) that this step computes; ``new * (cached + new / 2)`` each, as load()
+        # counts the attention work of the queued tokens.
+        tokens = context = 0
+        for seq in plan.seqs:
+            n = seq.num_new
+            if seq.request.num_tokens - seq.num_cached > 1:
+                tokens += n
+                context += n * seq.num_cached + n * n // 2
+        self._stepping = (tokens, context)
         return plan
 
     def _admit(self, plan: SchedulerPlan, budget: int) -> None:
@@ -480,6 +511,7 @@ class Scheduler:
         """
         outputs: list[StepOutput] = []
         self._loading = {}
+        self._stepping = (0, 0)
         caching = self.config.enable_prefix_caching
         block_size = self.block_size
         running = RequestStatus.RUNNING

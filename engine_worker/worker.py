@@ -31,8 +31,8 @@ from engine_worker.presence import Presence
 from engine_worker.profiles import default_profile, load_profile
 from engine_worker.publisher import EventPublisher, new_epoch
 from engine_worker.runners.base import Runner
-from engine_worker.runners.sim import SimRunner
-from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad
+from engine_worker.runners.sim import SimRunner, plan_seconds
+from engine_worker.scheduler import Scheduler, SchedulerConfig, SchedulerLoad, SchedulerPlan
 from engine_worker.settings import WorkerSettings
 from engine_worker.tokenizer import Tokenizer, load_tokenizer
 from engine_worker.vllm_events import VllmEventPublisher
@@ -103,6 +103,7 @@ class Worker:
             time_scale=settings.time_scale,
             on_step=self._on_step,
             on_change=lambda: self._refresh_state(self.scheduler),
+            step_estimate=self._step_seconds,
         )
         self.redis: Client | None = None
         self.publisher: EventPublisher | None = None
@@ -475,6 +476,12 @@ class Worker:
         if record.plan.preempted:
             m.preemptions.inc(len(record.plan.preempted))
 
+    def _step_seconds(self, plan: SchedulerPlan) -> float:
+        """Wall-clock seconds a planned step is expected to take: its profile's time (a
+        ``sim`` worker's modeled steps run ``time_scale`` times over)."""
+        seconds = plan_seconds(self.runner.profile(), plan, self.block_size)
+        return seconds * self.settings.time_scale if self.settings.runner == "sim" else seconds
+
     def profile(self) -> TimingProfile:
         """The timing profile this worker publishes.
 
@@ -502,6 +509,9 @@ class Worker:
         st = self.state
         load = st.load
         cap = self.pool.capacity()
+        fields = load.view_fields()
+        # The step in progress, as of now (the state is as of the last step's end).
+        fields["step_prefill_tokens"], fields["step_prefill_context"] = self.scheduler.stepping
         return WorkerView(
             host=self.name,
             url=self.settings.url,
@@ -510,7 +520,7 @@ class Worker:
             role=self.settings.role,
             epoch=self.epoch,
             events_seq=self.publisher.seq if self.publisher is not None else 0,
-            **load.view_fields(),
+            **fields,
             in_flight=load.running + load.waiting,
             kv_capacity_blocks={m: cap.of(m) for m in MEDIA},
             kv_used_blocks=dict(st.used_blocks),
@@ -519,6 +529,7 @@ class Worker:
             profile=self.profile(),
             marks_first_token=True,
             async_loads=self.scheduler.config.async_loads,
+            step_ends_ts=self.engine.step_ends,
             ts=time.time(),
         )
 

@@ -79,6 +79,12 @@ class WorkerView(msgspec.Struct, kw_only=True):
             the step that admits a request loads its blocks first, and every request
             in that step and queued behind it waits for them (not known, our torch
             runner, a vLLM engine without an offloading connector).
+        step_ends_ts: When the step in progress is expected to end (the publisher's
+            clock, as ``ts``; 0.0: no step in progress, or not published). A request
+            routed here waits out the rest of it before its first chunk can run.
+        step_prefill_tokens: Of ``queued_prefill_tokens``, those the step in progress
+            computes (its prefill chunks): done when it ends, not a step later.
+        step_prefill_context: Their share of ``queued_prefill_context``.
         ts: When the view was taken (seconds, the publisher's clock).
     """
 
@@ -106,6 +112,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     profile: TimingProfile | None = None
     marks_first_token: bool = False
     async_loads: bool = False
+    step_ends_ts: float = 0.0
+    step_prefill_tokens: int = 0
+    step_prefill_context: int = 0
     ts: float = 0.0
 
     def kv_usage(self, medium: Medium = Medium.HBM) -> float:

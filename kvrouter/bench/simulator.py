@@ -292,6 +292,8 @@ class _Worker:
     steps: int = 0
     in_flight: int = 0
     step: tuple[SchedulerPlan, StepResult] | None = None
+    #: When the step in progress ends (0.0: none).
+    step_ends: float = 0.0
     beat: WorkerView | None = None
     beat_seen: Load | None = None
     #: The router's own count of what it routed here that has not prefilled yet: prompt
@@ -456,6 +458,7 @@ class _Cluster:
             async_loads=self.config.async_loads,
             role=w.role,
             profile=w.profile,
+            step_ends_ts=w.step_ends if w.step is not None else 0.0,
             ts=now,
         )
 
@@ -675,9 +678,11 @@ class _Cluster:
             if w.scheduler.can_schedule() and w.loads.next_at() is None:
                 raise SimulationError(f"{w.host} has work but cannot schedule any of it")
             w.step = None
+            w.step_ends = 0.0
             return
         result = w.runner.execute(plan)
         w.step = (plan, result)
+        w.step_ends = now + result.duration_s
         w.busy_s += result.duration_s
         first, last = self.arrival_window
         w.busy_arrivals_s += max(min(now + result.duration_s, last) - max(now, first), 0.0)

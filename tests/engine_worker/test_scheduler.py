@@ -445,6 +445,38 @@ def test_load_reports_chunked_prefill_work_running_context_and_active_memory() -
     assert load.mean_output_tokens == pytest.approx(3.0)
 
 
+def test_load_says_which_queued_tokens_the_step_in_progress_computes() -> None:
+    s, r, _ = make(hbm=64, budget=16, max_model_len=128)
+    s.add(req("long", list(range(40)), max_tokens=3))
+    s.add(req("short", list(range(100, 106)), max_tokens=3))
+    assert (s.load().step_prefill_tokens, s.load().step_prefill_context) == (0, 0)
+    plan = s.schedule()
+    load = s.load()
+    # Planned, not folded in: "long"'s first 16-token chunk is still queued, and computing.
+    assert load.queued_prefill_tokens == 46
+    assert load.step_prefill_tokens == 16
+    assert load.step_prefill_context == 16 * 16 // 2
+    s.update(plan, r.execute(plan).sampled)
+    assert s.load().step_prefill_tokens == 0
+    # The next step: "long"'s second chunk (after 16 cached tokens), nothing else fits.
+    plan = s.schedule()
+    load = s.load()
+    assert load.step_prefill_tokens == 16
+    assert load.step_prefill_context == 16 * 16 + 16 * 16 // 2
+    assert load.queued_prefill_tokens - load.step_prefill_tokens == 8 + 6
+    fields = load.view_fields()
+    assert (fields["step_prefill_tokens"], fields["step_prefill_context"]) == (16, 384)
+    s.update(plan, r.execute(plan).sampled)
+    # Third step: the last 8 of "long" and all of "short"; then only decodes, which the
+    # queue never counted.
+    plan = s.schedule()
+    assert s.load().step_prefill_tokens == 8 + 6
+    s.update(plan, r.execute(plan).sampled)
+    plan = s.schedule()
+    assert all(seq.is_decode for seq in plan.seqs)
+    assert (s.load().queued_prefill_tokens, s.load().step_prefill_tokens) == (0, 0)
+
+
 def test_mean_output_tracks_finished_requests_and_ignores_aborts() -> None:
     s, r, _ = make(max_model_len=128)
     assert s.load().mean_output_tokens == 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from engine_worker.server import create_app
 from engine_worker.settings import WorkerSettings
 from indexer.events import EventBatch, Snapshot, decode_message
 from indexer.media import MEDIA, Medium
+from indexer.views import WorkerView
 from indexer.wire import CONTROL_FIELD, EVENT_FIELD, OP_SNAPSHOT, Keyspace, decode_view
 from kvrouter.graceful import DrainingServer
 from tests.engine_worker.event_replay import EventReplay
@@ -176,6 +178,46 @@ def test_heartbeat_names_the_newest_batch_of_the_stream(worker: str, redis_url: 
         eventually(caught_up)
     finally:
         client.close()
+
+
+def test_heartbeat_says_when_the_step_in_progress_ends_and_what_it_prefills(
+    redis_url: str,
+) -> None:
+    # A sim worker whose 128-token chunks take ~0.5 s each: a heartbeat taken while a long
+    # prompt prefills names the chunk in progress and when it should end.
+    name = "w-step"
+    slow = settings(
+        redis_url, name=name, runner="sim", time_scale=100.0, heartbeat_interval_s=0.05,
+        max_model_len=1024, hbm_blocks=64,
+    )  # fmt: skip
+    with serve_app(create_app(slow)) as url:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            eventually(lambda: client.exists(KS.heartbeat(name)) == 1)
+            idle = decode_view(client.get(KS.heartbeat(name)))  # type: ignore[arg-type]
+            assert (idle.step_ends_ts, idle.step_prefill_tokens) == (0.0, 0)
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(complete, url, "word " * 500, 1)
+                views: list[WorkerView] = []
+
+                def mid_prefill() -> bool:
+                    v = decode_view(client.get(KS.heartbeat(name)))  # type: ignore[arg-type]
+                    views.append(v)
+                    return v.step_prefill_tokens > 0
+
+                eventually(mid_prefill)
+                v = views[-1]
+                assert v.step_prefill_tokens == 128  # one chunk of the step budget
+                assert v.queued_prefill_tokens >= 256  # this chunk and those after it
+                assert v.step_prefill_context >= 128 * 128 // 2
+                # Ends after the heartbeat was taken, within one modeled chunk of it.
+                assert v.ts < v.step_ends_ts < v.ts + 2.0
+                done.result(timeout=60)
+            eventually(
+                lambda: decode_view(client.get(KS.heartbeat(name))).step_ends_ts == 0.0  # type: ignore[arg-type]
+            )
+        finally:
+            client.close()
 
 
 def test_a_snapshot_request_on_the_control_stream_is_answered(worker: str, redis_url: str) -> None:
