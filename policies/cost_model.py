@@ -41,6 +41,7 @@ __all__ = [
     "reload_seconds",
     "resolve_profile",
     "split_prompt",
+    "step_in_progress",
     "step_residual_seconds",
 ]
 
@@ -104,12 +105,26 @@ def prefill_context(num_tokens: int, new_tokens: int) -> int:
     return new * (num_tokens - new) + new * new // 2
 
 
+def step_in_progress(view: WorkerView, now: float) -> tuple[float, int, int] | None:
+    """The step ``view``'s worker has in progress at ``now``: (seconds left, the prefill
+    tokens it computes, their attention work), or None when that is not known.
+
+    None also when the view says the step has ended by ``now`` (a heartbeat older than
+    its step): what that step computed is gone from the worker's queue, or still in the
+    router's own count until its first byte, and the next step's start is not known.
+    """
+    if view.step_ends_ts <= now:
+        return None
+    return view.step_ends_ts - now, view.step_prefill_tokens, view.step_prefill_context
+
+
 def queue_seconds(
     profile: TimingProfile,
     queued_tokens: int,
     decode_batch: int = 0,
     decode_kv_tokens: int = 0,
     queued_context: int = 0,
+    step: tuple[float, int, int] | None = None,
 ) -> float:
     """Time to drain ``queued_tokens`` of prefill ahead of a new request.
 
@@ -120,7 +135,21 @@ def queue_seconds(
     prompt cost several times its linear part; without it (0) every chunk is costed as
     fresh tokens. With nothing queued, a worker only decoding still makes the request
     wait out the decode step in progress (:func:`step_residual_seconds`).
+
+    With ``step`` (:func:`step_in_progress`) the step in progress is known: the request
+    waits out what is left of it, whatever it computes, and the queued tokens it does
+    not compute are chunked after it. Without it, a step that has run most of a long
+    chunk would be counted whole: a request whose prefix sits on a worker just ending
+    a 100 ms prefill is priced 100 ms of wait, and recomputes its prefix elsewhere.
     """
+    if step is not None:
+        left, tokens, context = step
+        rest = queued_tokens - tokens
+        if rest <= 0:
+            return left
+        return left + queue_seconds(
+            profile, rest, decode_batch, decode_kv_tokens, max(queued_context - context, 0)
+        )
     if queued_tokens <= 0:
         return step_residual_seconds(profile, queued_tokens, decode_batch, decode_kv_tokens)
     chunk = _chunk(profile, decode_batch)

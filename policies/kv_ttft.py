@@ -21,7 +21,11 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   any of it is computed; on a worker only
   decoding, the rest of the decode step in progress (half a step on average,
   ``step_residual_seconds``), which a new request waits out before its chunk
-  joins the next step;
+  joins the next step. Where the view names the step in progress (when it
+  ends and which queued tokens it computes: ``step_in_progress``), the request
+  waits out what is left of that step, then the queued tokens it does not
+  compute: counted whole, a worker ending a 93 ms prefill looked 93 ms away
+  from the group prompt it held, and the prompt was recomputed elsewhere;
 * ``memory``: what the new prompt loses when it does not fit in ``w``'s HBM
   beside what running and queued requests hold and will grow into
   (``memory_wait_seconds``): a vLLM-style scheduler admits it, preempts it when
@@ -184,6 +188,7 @@ from policies.cost_model import (
     queued_load_seconds,
     resolve_profile,
     split_prompt,
+    step_in_progress,
 )
 from policies.homes import HomeDemand
 from policies.live_cache import LiveCache
@@ -400,6 +405,7 @@ class KvTtftPolicy:
                 batch,
                 kv,
                 view.queued_prefill_context,
+                step_in_progress(view, now),
             )
             # Loads stall the steps: the queue drains that much later. Beside the steps,
             # they are a channel this request's own load waits on.

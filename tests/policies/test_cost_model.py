@@ -19,6 +19,7 @@ from policies.cost_model import (
     queue_seconds,
     reload_seconds,
     split_prompt,
+    step_in_progress,
 )
 from tests.engine_worker.test_scheduler import make, req, run_to_end
 from tests.policies.support import BLOCK, PROFILE, chunked_seconds, match, queue_wait, view
@@ -205,3 +206,38 @@ def test_a_prompt_larger_than_an_idle_workers_hbm_waits_long_but_finitely() -> N
     assert math.isfinite(over)
     assert over > 10.0  # far longer than any worker that could hold it would take
     assert memory_wait_seconds(idle, PROFILE, 40_000, BLOCK, 160.0) > over
+
+
+def test_a_step_in_progress_is_waited_out_for_what_is_left_of_it() -> None:
+    # A 4,352-token prompt fills the step in progress (one ~93 ms chunk), 30 ms from its end.
+    chunk = 4352
+    context = chunk * chunk // 2
+    in_step = (0.030, chunk, context)
+    whole = queue_seconds(PROFILE, chunk, queued_context=context)
+    assert whole > 0.09
+    assert queue_seconds(PROFILE, chunk, queued_context=context, step=in_step) == 0.030
+    # Tokens queued beyond the step are chunked after it ends.
+    behind = 8192 + chunk
+    assert queue_seconds(
+        PROFILE, behind, queued_context=context + 8192 * 8192 // 2, step=in_step
+    ) == pytest.approx(0.030 + queue_wait(PROFILE, 8192))
+    # A worker only decoding: what is left of its decode step, not half a step on average.
+    decoding = queue_seconds(PROFILE, 0, 8, 20_000, step=(0.001, 0, 0))
+    assert decoding == 0.001
+    assert queue_seconds(PROFILE, 0, 8, 20_000) == pytest.approx(
+        PROFILE.decode_seconds(8, 20_000) / 2
+    )
+
+
+def test_the_step_in_progress_is_known_only_until_the_view_says_it_ends() -> None:
+    mid = replace(view("w", queued=4352), step_ends_ts=10.0, step_prefill_tokens=4352)
+    step = step_in_progress(mid, 9.97)
+    assert step is not None
+    left, tokens, context = step
+    assert left == pytest.approx(0.03)
+    assert (tokens, context) == (4352, 0)
+    # A heartbeat older than its step: that step is over, the next one's start unknown.
+    assert step_in_progress(mid, 10.0) is None
+    assert step_in_progress(mid, 10.5) is None
+    # Not published (an older worker, a vLLM engine) or no step running.
+    assert step_in_progress(view("w", queued=4352), 9.97) is None

@@ -12,7 +12,13 @@ from engine_worker.profiles import load_profile
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
 from policies.base import Decision, NoWorkerError
-from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH, queue_seconds, step_residual_seconds
+from policies.cost_model import (
+    DEFAULT_TRANSFER_BANDWIDTH,
+    decode_batch,
+    prefill_seconds,
+    queue_seconds,
+    step_residual_seconds,
+)
 from policies.kv_ttft import KvTtftPolicy
 from tests.policies.support import (
     BLOCK,
@@ -390,6 +396,38 @@ def test_a_queue_holding_one_very_long_prompt_is_longer_than_its_token_count_say
     # Without the published context, the token count alone picks "long".
     plain = [view("long", queued=100_000), view("many", queued=110_000)]
     assert KvTtftPolicy().choose(request(prompt), plain, {}).worker == "long"
+
+
+def test_a_prefix_on_a_worker_ending_its_prefill_step_beats_recomputing_it_elsewhere() -> None:
+    # bench suite, groups seed 4 at 0.9, request 5: its group's 4,096-token prompt is on
+    # "holder", 62 ms into prefilling the group's first request (one 93 ms step, 31 ms
+    # left); "idle" holds nothing. Counted whole, the step made "holder" look 12 ms worse
+    # than recomputing the prompt on "idle"; it is 50 ms better.
+    prompt = tokens(4352, seed=41)
+    first = 4352
+    now = 1.0
+    ends = now + 0.031
+    busy = replace(
+        view("holder", running=1, in_flight=1, queued=first, queued_context=first * first // 2),
+        step_ends_ts=ends,
+        step_prefill_tokens=first,
+        step_prefill_context=first * first // 2,
+    )
+    matches = {"holder": match("holder", hbm=4096 // BLOCK)}
+    decision = KvTtftPolicy().choose(request(prompt, now=now), [busy, view("idle")], matches)
+    batch, kv = decode_batch(busy, KvTtftPolicy().mean_decode_context)
+    rest = prefill_seconds(PROFILE, len(prompt) - 4096, 4096, batch, kv)
+    assert decision.worker == "holder"
+    assert decision.scores["holder"]["queue_s"] == pytest.approx(0.031)
+    assert decision.predicted_ttft_s == pytest.approx(0.031 + rest)
+    assert decision.scores["idle"]["ttft_s"] == pytest.approx(chunked_seconds(PROFILE, 4352))
+    # Without the step in progress (a stale view, or an older worker), the whole step is
+    # counted and the prompt is recomputed on "idle".
+    stale = KvTtftPolicy().choose(request(prompt, now=ends + 0.001), [busy, view("idle")], matches)
+    assert stale.worker == "idle"
+    assert stale.scores["holder"]["queue_s"] == pytest.approx(
+        queue_seconds(PROFILE, first, batch, kv, first * first // 2)
+    )
 
 
 def test_a_huge_prompt_cached_nowhere_is_not_pushed_onto_a_backlogged_worker() -> None:
