@@ -339,7 +339,7 @@ class RouterCore:
         if self.planner is not None and self.planner.mode != "never":
             plan = self.planner.plan(
                 laid, worker, decision.predicted_ttft_s, request.num_tokens,
-                request.block_size, matches or {},
+                request.block_size, matches or {}, request.now,
             )  # fmt: skip
         if placing is not None:
             assert scored is not None

@@ -47,6 +47,7 @@ from policies.cost_model import (
     queue_seconds,
     resolve_profile,
     split_prompt,
+    step_in_progress,
 )
 
 __all__ = ["DEFAULT_TRANSFER_BANDWIDTH", "PdMode", "PdPlan", "PdPlanner"]
@@ -135,8 +136,10 @@ class PdPlanner:
         num_tokens: int,
         block_size: int,
         matches: Mapping[str, PrefixMatch],
+        now: float = 0.0,
     ) -> PdPlan:
-        """Decide one request's plan; ``prefill_ttft_s`` is the policy's prediction there."""
+        """Decide one request's plan; ``prefill_ttft_s`` is the policy's prediction there,
+        ``now`` the routing clock (a view's step in progress is waited out from it)."""
         if self.mode == "never":
             return PdPlan(False, prefill, None, "never")
         decode = self.decoder(workers, prefill, matches)
@@ -152,7 +155,9 @@ class PdPlanner:
         for label, view in (("decode", decode), ("prefill", by_host.get(prefill))):
             if view is None or (view.role is not Role.BOTH and label == "prefill"):
                 continue
-            local = options[view.host] = self._local(view, num_tokens, block_size, matches, by_host)
+            local = options[view.host] = self._local(
+                view, num_tokens, block_size, matches, by_host, now
+            )
             predicted[f"{label}_local_ttft"] = local.ttft
             predicted[f"{label}_local_decode_stall"] = local.stall
             if local.source is not None:
@@ -164,7 +169,9 @@ class PdPlanner:
         # computing what it lacks: a prefill-only request pulls nothing from a peer.
         prefill_view = by_host.get(prefill)
         stall = (
-            self._local(prefill_view, num_tokens, block_size, matches, by_host, pool=False).stall
+            self._local(
+                prefill_view, num_tokens, block_size, matches, by_host, now, pool=False
+            ).stall
             if prefill_view
             else 0.0
         )
@@ -202,6 +209,7 @@ class PdPlanner:
         block_size: int,
         matches: Mapping[str, PrefixMatch],
         by_host: Mapping[str, WorkerView],
+        now: float,
         *,
         pool: bool = True,
     ) -> _Local:
@@ -212,7 +220,9 @@ class PdPlanner:
         matched = self._matched(view.host, num_tokens, block_size, matches)
         batch, kv = decode_batch(view, self.mean_decode_context)
         queued = view.queued_prefill_tokens
-        wait = queue_seconds(profile, queued, batch, kv, view.queued_prefill_context)
+        wait = queue_seconds(
+            profile, queued, batch, kv, view.queued_prefill_context, step_in_progress(view, now)
+        )
 
         def option(blocks: int, pull: float, source: str | None) -> _Local:
             cached, new = split_prompt(num_tokens, blocks, block_size)

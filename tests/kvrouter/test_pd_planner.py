@@ -175,3 +175,23 @@ def test_the_router_counts_what_the_worker_the_plan_moved_a_request_to_prefills(
         counts = prefill_tokens(out.decision, out.plan, prompt, BLOCK)
         assert counts["d"] == todo
         assert counts["b"] == 1
+
+
+def test_a_decoder_ending_a_prefill_step_is_priced_for_what_is_left_of_it() -> None:
+    # The decoder is 80 ms into a 4K-token prefill step that ends 10 ms from now: a
+    # colocated request waits those 10 ms, not the whole step, as kv_ttft prices it.
+    prompt = 2_048
+    queued = 4_096
+    busy = replace(
+        decode_view(), queued_prefill_tokens=queued, step_ends_ts=50.01,
+        step_prefill_tokens=queued,
+    )  # fmt: skip
+    mid = planner().plan([prefill_view(), busy], "p", 0.05, prompt, BLOCK, {}, now=50.0)
+    assert mid.predicted["decode_local_ttft"] == pytest.approx(
+        0.01 + PROFILE.prefill_seconds(prompt)
+    )
+    # A view older than its step: the queue is counted whole.
+    stale = planner().plan([prefill_view(), busy], "p", 0.05, prompt, BLOCK, {}, now=50.02)
+    assert stale.predicted["decode_local_ttft"] == pytest.approx(
+        PROFILE.prefill_seconds(queued) + PROFILE.prefill_seconds(prompt)
+    )
