@@ -483,7 +483,9 @@ def test_slo_admission_refuses_what_cannot_start_in_time() -> None:
         # profile's ~0.06 s, slowed by its time scale of 20): under the bound, served.
         solo = {"model": MODEL, "prompt": prompt(0, 3000), "max_tokens": 1}
         assert httpx.post(f"{gw}/v1/completions", json=solo, timeout=60).status_code == 200
-        # Behind another one still prefilling (seconds, on this slow worker) it is not.
+        # Half a second into another one's ~1.3 s prefill it is not: the router counts the
+        # ~0.8 s left of that prefill (its own estimate of the prefill in progress) and its
+        # own ~1.3 s. (A second later it would answer ~1.6 s after it came: at the bound.)
         flood = [{"model": MODEL, "prompt": prompt(1, 3000), "max_tokens": 1, "stream": True}]
         body = {"model": MODEL, "prompt": prompt(2, 3000), "max_tokens": 1}
 
@@ -491,7 +493,7 @@ def test_slo_admission_refuses_what_cannot_start_in_time() -> None:
             return await asyncio.gather(*(hang_up_before_first_byte(gw, b, 3.0) for b in flood))
 
         async def probe() -> httpx.Response:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             async with httpx.AsyncClient(timeout=30) as http:
                 return await http.post(f"{gw}/v1/completions", json=body)
 
