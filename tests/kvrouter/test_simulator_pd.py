@@ -221,6 +221,7 @@ def test_the_worker_a_colocated_plan_moves_a_request_to_pulls_what_the_plan_pric
         def plan(
             self, workers: Sequence[WorkerView], prefill: str, prefill_ttft_s: float | None,
             num_tokens: int, block_size: int, matches: Mapping[str, PrefixMatch],
+            now: float = 0.0,
         ) -> PdPlan:  # fmt: skip
             if num_tokens != 4096 + 512:
                 return PdPlan(False, prefill, None, "cheaper_local")
