@@ -34,11 +34,9 @@ __all__ = [
     "HeldOf",
     "LoadOf",
     "RouterCore",
-    "StepOf",
     "annotate_idle",
     "candidates",
     "overlay",
-    "prefill_timing",
     "prefill_tokens",
     "route_request",
 ]
@@ -48,10 +46,6 @@ LoadOf = Callable[[str], Load]
 #: The router's count for a worker when the heartbeat it is handed was taken
 #: (None: not known for that heartbeat).
 SeenOf = Callable[[WorkerView], Load | None]
-#: The router's own estimate of the prefill a worker is computing now, as a view's step
-#: in progress: (when it ends, its tokens, their attention work); None: not known
-#: (``kvrouter.gateway.load.PrefillProgress``).
-StepOf = Callable[[str], tuple[float, int, int] | None]
 #: The block keys running requests hold on a worker (None: none): the router's own
 #: running requests (``kvrouter.gateway.load.HeldBlocks``), or with exact views the
 #: worker's own pool.
@@ -72,11 +66,7 @@ _LAID_LOADS = ((Medium.DRAM, "queued_dram"), (Medium.SSD, "queued_ssd"))
 
 
 def overlay(
-    views: Sequence[WorkerView],
-    load_of: LoadOf | None,
-    seen_of: SeenOf | None = None,
-    step_of: StepOf | None = None,
-    now: float = 0.0,
+    views: Sequence[WorkerView], load_of: LoadOf | None, seen_of: SeenOf | None = None
 ) -> list[WorkerView]:
     """``views`` with the router's own counts laid over them (None: the views are exact).
 
@@ -94,30 +84,20 @@ def overlay(
     such as another router's, or a decode's growing KV): a request that got its
     first token or finished since the heartbeat leaves the figures at once instead
     of a whole interval later. Without it each term is the larger of the two.
-
-    Where the heartbeat's step in progress has ended by ``now`` (the routing clock),
-    ``step_of`` gives the router's own estimate of the prefill computing instead.
     """
     if load_of is None:
         return list(views)
     out = []
     for v in views:
-        counts = load_of(v.host)
+        now = load_of(v.host)
         then = seen_of(v) if seen_of is not None else None
-        if then is None and counts.empty():
+        if then is None and now.empty():
             out.append(v)
             continue
         laid: dict[str, object] = {
-            shown_as: _lay(getattr(v, shown_as), counts, then, counted_as)
+            shown_as: _lay(getattr(v, shown_as), now, then, counted_as)
             for shown_as, counted_as in _LAID
         }
-        if step_of is not None and v.step_ends_ts <= now and (step := step_of(v.host)):
-            ends, tokens, context = step
-            laid |= {
-                "step_ends_ts": ends,
-                "step_prefill_tokens": tokens,
-                "step_prefill_context": context,
-            }
         running = laid["running"]
         assert isinstance(running, int)
         if running != v.running and v.running > 0:
@@ -125,7 +105,7 @@ def overlay(
         loads = {
             medium: n
             for medium, counted_as in _LAID_LOADS
-            if (n := _lay(v.queued_load_blocks.get(medium, 0), counts, then, counted_as))
+            if (n := _lay(v.queued_load_blocks.get(medium, 0), now, then, counted_as))
         }
         if loads or v.queued_load_blocks:
             laid["queued_load_blocks"] = loads
@@ -227,19 +207,6 @@ def prefill_tokens(
     return out
 
 
-def prefill_timing(decision: Decision) -> dict[str, tuple[float, float]]:
-    """Per scored worker, the policy's predicted (wait, prefill) seconds there: until its
-    prefill starts, and the prefill itself (``kvrouter.gateway.load.PrefillProgress``);
-    empty where the policy predicts no prefill time."""
-    out = {}
-    for host, terms in decision.scores.items():
-        prefill = terms.get("prefill_s")
-        ttft = terms.get("ttft_s")
-        if prefill is not None and ttft is not None:
-            out[host] = (ttft - prefill, prefill)
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class CoreDecision:
     """One request's routing decision.
@@ -297,7 +264,6 @@ class RouterCore:
         clock: float | None = None,
         held_of: HeldOf | None = None,
         seen_of: SeenOf | None = None,
-        step_of: StepOf | None = None,
     ) -> CoreDecision:
         """Decide where ``request`` goes.
 
@@ -313,15 +279,13 @@ class RouterCore:
                 views).
             seen_of: The router's counts per worker when its heartbeat was taken
                 (:func:`overlay`; None: not known).
-            step_of: The router's estimate of the prefill each worker is computing, for
-                heartbeats whose step has ended (:func:`overlay`; None: not known).
 
         Raises:
             NoWorkerError: No worker to choose from.
         """
         if not views:
             raise NoWorkerError(f"no worker serves {request.model!r}")
-        laid = overlay(views, load_of, seen_of, step_of, request.now)
+        laid = overlay(views, load_of, seen_of)
         if held_of is not None and matches:
             matches = annotate_idle(matches, request.block_keys, held_of)
         policy = self.policy if cache_aware else self.fallback

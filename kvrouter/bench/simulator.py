@@ -71,21 +71,9 @@ from kvrouter.bench.oracle import OracleBound, trace_bound
 from kvrouter.bench.report import RequestRecord
 from kvrouter.bench.trace import PromptFactory, TraceRecord, arrival_times
 from kvrouter.gateway.affinity import SessionAffinity
-from kvrouter.gateway.load import (
-    HeldBlocks,
-    Load,
-    PrefillProgress,
-    admission_load,
-    queued_share,
-)
+from kvrouter.gateway.load import HeldBlocks, Load, admission_load, queued_share
 from kvrouter.gateway.pd import PdMode, PdPlanner
-from kvrouter.router_core import (
-    CoreDecision,
-    RouterCore,
-    prefill_timing,
-    prefill_tokens,
-    route_request,
-)
+from kvrouter.router_core import CoreDecision, RouterCore, prefill_tokens, route_request
 from policies.base import NoWorkerError, Policy
 from policies.cost_model import DEFAULT_TRANSFER_BANDWIDTH
 
@@ -415,8 +403,6 @@ class _Cluster:
         self.live: dict[str, int] = {}
         #: Per routed request until its first token: its share of its worker's ``queued``.
         self.unprefilled: dict[str, Load] = {}
-        #: As the gateway's: the router's estimate of the prefill each worker computes.
-        self.progress = PrefillProgress()
         #: The prompt's block keys of each request routed, until it ends (as the gateway's
         #: ticket has them): held on its worker from its first token.
         self.prompt_keys: dict[str, tuple[int, ...]] = {}
@@ -531,7 +517,6 @@ class _Cluster:
                 self.index.match_sync(keys), clock=now,
                 held_of=self.pool_held_of if exact else self.held_of,
                 seen_of=None if exact else self.seen_of,
-                step_of=None if exact else (lambda host: self.progress.step(host, now)),
             )  # fmt: skip
         except NoWorkerError as exc:
             raise SimulationError(str(exc)) from exc
@@ -556,7 +541,6 @@ class _Cluster:
         size = self.config.block_size
         # As the gateway: what each worker would still prefill, counted as queued there.
         todo = prefill_tokens(decision, plan, len(tokens), size)
-        timing = prefill_timing(decision)
         if plan is not None:
             if plan.disaggregate and plan.decode is not None:
                 self.records[i] = RequestRecord(
@@ -566,8 +550,7 @@ class _Cluster:
                 handoff = _Transfer(i, plan.decode, keys, tokens, 0, 0)
                 self.handoffs[f"{rid}.p"] = handoff
                 uncached = todo.get(w.host, len(tokens))
-                mine = timing.get(w.host)
-                self.admit(w, f"{rid}.p", tokens, keys, 1, uncached, i, now, timing=mine)
+                self.admit(w, f"{rid}.p", tokens, keys, 1, uncached, i, now)
                 return
             w = self.by_host[plan.prefill]
         self.records[i] = RequestRecord(i, w.host, now, len(tokens), predicted_ttft_s=predicted)
@@ -592,45 +575,39 @@ class _Cluster:
                 # The gateway counts a request's load when it dispatches it, before the
                 # worker pulls: so does the replay, or the pull would hide it from routing.
                 uncached = max(len(tokens) - held * size, 1)
-                mine = timing.get(w.host)
-                self.count(w, rid, len(tokens), uncached, i, keys, now, admission, mine)
+                self.count(w, rid, len(tokens), uncached, i, keys, admission)
                 w.pulling += self.unprefilled[rid].queued_tokens
                 pull = _Transfer(i, w.host, keys, tokens, have, held, counted=True)
                 self.send(source, pull, now)
                 return
         self.admit(
             w, rid, tokens, keys, rec.output_length, todo.get(w.host, len(tokens)), i, now,
-            admission=admission, timing=timing.get(w.host),
+            admission=admission,
         )  # fmt: skip
 
     def count(
         self, w: _Worker, rid: str, tokens: int, uncached: int, i: int, keys: list[int],
-        now: float, admission: Load | None = None, timing: tuple[float, float] | None = None,
+        admission: Load | None = None,
     ) -> None:  # fmt: skip
         """Add a request to the router's own load count of ``w`` (released as it runs):
-        ``uncached`` of its ``tokens`` prompt tokens still to prefill, routed at ``now``
-        with the policy's (wait, prefill) ``timing`` there."""
+        ``uncached`` of its ``tokens`` prompt tokens still to prefill."""
         self.prompt_keys[rid] = tuple(keys)  # the scheduler appends output keys to its list
         w.in_flight += 1
         queued = queued_share(uncached, tokens, admission)
         w.queued.add(queued)
         self.unprefilled[rid] = queued
         self.live[rid] = i
-        wait, prefill = timing or (0.0, 0.0)
-        self.progress.sent(w.host, rid, now, wait, prefill, queued)
 
-    def prefilled(self, w: _Worker, rid: str, now: float) -> None:
-        """``rid``'s prompt is computed at ``now``: it leaves the router's queued count of
-        ``w``."""
+    def prefilled(self, w: _Worker, rid: str) -> None:
+        """``rid``'s prompt is computed: it leaves the router's queued count of ``w``."""
         queued = self.unprefilled.pop(rid, None)
         if queued is not None:
             w.queued.sub(queued)
-            self.progress.first_byte(w.host, rid, now)
 
     def admit(
         self, w: _Worker, rid: str, tokens: list[int], keys: list[int], output: int,
         uncached: int, i: int, now: float, counted: bool = False,
-        admission: Load | None = None, timing: tuple[float, float] | None = None,
+        admission: Load | None = None,
     ) -> None:  # fmt: skip
         """Queue a request on ``w`` (counting its load, ``uncached`` prompt tokens to
         prefill, unless ``counted``); an idle worker starts a step."""
@@ -640,7 +617,7 @@ class _Cluster:
         request.keys = keys
         w.scheduler.add(request)
         if not counted:
-            self.count(w, rid, len(tokens), uncached, i, keys, now, admission, timing)
+            self.count(w, rid, len(tokens), uncached, i, keys, admission)
         if w.step is None:
             self.start_step(w, now)
 
@@ -725,7 +702,7 @@ class _Cluster:
             handoff = self.handoffs.pop(req.request_id, None) if out.finished else None
             if handoff is not None:
                 # PD: the prefill-only request is done; its blocks go to the decoder.
-                self.prefilled(w, req.request_id, now)
+                self.prefilled(w, req.request_id)
                 del self.prompt_keys[req.request_id]
                 del self.live[req.request_id]
                 w.in_flight -= 1
@@ -739,7 +716,7 @@ class _Cluster:
             assert rec is not None
             if rec.first_token_s is None:
                 rec.first_token_s = now
-                self.prefilled(w, req.request_id, now)
+                self.prefilled(w, req.request_id)
                 w.tracked_held.hold(self.prompt_keys[req.request_id])
                 w.tracked_running += 1
             if out.finished:
@@ -825,7 +802,7 @@ def simulate(
     workers = cluster.workers
     counts = {w.host: cluster.tracked(w.host) for w in workers}
     leaked = {host: load for host, load in counts.items() if not load.empty()}
-    if leaked or cluster.prompt_keys or cluster.unprefilled or len(cluster.progress):
+    if leaked or cluster.prompt_keys or cluster.unprefilled:
         raise SimulationError(f"the router's load counts did not return to zero: {leaked}")
     snapshots = [w.pool.snapshot() for w in workers]
     return SimResult(

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -65,7 +65,6 @@ from kvrouter.gateway.settings import RouterSettings
 from kvrouter.gateway.upstream import HttpPool, UpstreamError
 from kvrouter.logs import request_id_var
 from kvrouter.policy_factory import build_policy
-from kvrouter.router_core import prefill_timing
 from kvrouter.router_core import prefill_tokens as prefill_tokens_of
 
 __all__ = ["create_app"]
@@ -486,9 +485,8 @@ async def _open(
     prefilled_on = prefill_cached = None
     if plan is not None and plan.disaggregate and plan.decode is not None:
         handed = await _prefill_elsewhere(
-            gw, plan, candidates, path, raw, rid, prefill_tokens, routed.prompt_tokens,
-            prefill_timing(routed.decision),
-        )  # fmt: skip
+            gw, plan, candidates, path, raw, rid, prefill_tokens, routed.prompt_tokens
+        )
         if handed is not None:
             raw["kv_transfer_params"], prefill_cached, prefilled_on = handed
         others = [v.host for v in gw.decoders(body.model) if v.host != plan.decode]
@@ -507,7 +505,6 @@ async def _open(
         candidates, path, encode_body(raw), rid, prefill_tokens, whole=not body.stream,
         keys=routed.request.block_keys, prompt_tokens=routed.prompt_tokens,
         admission=_admission(routed),
-        timing=None if prefilled_on is not None else prefill_timing(routed.decision),
     )  # fmt: skip
     gw.router.core.served(session, up.worker)
     return _Opened(routed, plan, up, prefilled_on, prefill_cached)
@@ -612,7 +609,6 @@ async def _prefill_elsewhere(
     rid: str,
     prefill_tokens: dict[str, int],
     prompt_tokens: int,
-    timing: Mapping[str, tuple[float, float]],
 ) -> tuple[dict[str, Any], dict[str, int], str] | None:
     """Run the prefill-only request: its ``kv_transfer_params``, the prefill worker's
     ``cached_tokens_by_medium`` and name; or None to prefill locally.
@@ -628,7 +624,7 @@ async def _prefill_elsewhere(
     try:
         up = await gw.dispatcher.open(
             prefillers, path, encode_body(body), f"{rid}-prefill", prefill_tokens,
-            whole=True, prompt_tokens=prompt_tokens, timing=timing,
+            whole=True, prompt_tokens=prompt_tokens,
         )  # fmt: skip
     except ApiError as exc:
         reason = "prefill_unavailable"

@@ -111,16 +111,13 @@ class Dispatcher:
         keys: Sequence[int] = (),
         prompt_tokens: int = 0,
         admission: Mapping[str, Load] | None = None,
-        timing: Mapping[str, tuple[float, float]] | None = None,
     ) -> Upstream:
         """Send ``body`` to the first candidate that answers; ``whole`` reads the full body.
 
         ``prefill_tokens`` is what each candidate would still prefill, of a prompt of
         ``prompt_tokens``, and ``admission`` the cached blocks it would take from its
         free HBM pool and load from DRAM and SSD; ``keys`` the prompt's block keys,
-        which the worker holds in HBM from the first byte to the end; ``timing`` the
-        policy's (wait, prefill) seconds per candidate (the router's estimate of the
-        prefill each worker is computing: ``LoadTracker.step_of``).
+        which the worker holds in HBM from the first byte to the end.
 
         Raises:
             ApiError: 503 when every attempt failed before the first byte.
@@ -138,7 +135,6 @@ class Dispatcher:
             ticket = self.load.begin(
                 worker, prefill_tokens.get(worker, 0), keys, prompt_tokens,
                 admission.get(worker) if admission else None,
-                timing.get(worker) if timing else None,
             )  # fmt: skip
             try:
                 marks = self.marking.get(worker, view.marks_first_token)

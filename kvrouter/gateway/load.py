@@ -59,15 +59,7 @@ from indexer.views import WorkerView
 from indexer.wire import Keyspace
 from policies.cost_model import prefill_context
 
-__all__ = [
-    "HeldBlocks",
-    "Load",
-    "LoadTracker",
-    "PrefillProgress",
-    "Ticket",
-    "admission_load",
-    "queued_share",
-]
+__all__ = ["HeldBlocks", "Load", "LoadTracker", "Ticket", "admission_load", "queued_share"]
 
 log = logging.getLogger(__name__)
 
@@ -201,84 +193,6 @@ def admission_load(scores: Mapping[str, float]) -> Load:
 
 
 @dataclass(slots=True)
-class _Sent:
-    """A prefill this router sent and has seen no first byte of (see PrefillProgress)."""
-
-    start: float
-    seconds: float
-    tokens: int
-    context: int
-
-
-@dataclass(slots=True)
-class PrefillProgress:
-    """This router's own estimate of the prefill each worker is computing now.
-
-    A heartbeat names the step in progress (``WorkerView.step_ends_ts``), but
-    heartbeats come a second apart and steps last milliseconds, so the one a
-    router holds has mostly ended. The router knows, of what it sent, when
-    and with what predicted wait and prefill time (the policy's ``ttft_s``
-    and ``prefill_s``), and when each first byte came back. Prefill runs in
-    the order requests arrive, so the oldest prefill it is still waiting on
-    is the one computing: started when its predicted wait was over, or when
-    the last first byte came back from that worker if that was later, and
-    done a prefill time after. :meth:`step` gives that as a view's step in
-    progress, or None where nothing is known (no prefill pending, its start
-    not yet due, or its predicted end already past: it is late, by how much
-    is not known). Time is the caller's (``at``, ``now``: the routing clock).
-    """
-
-    # Per worker, the prefills pending by key, oldest first.
-    _pending: dict[str, dict[object, _Sent]] = field(default_factory=dict)
-    # Per worker, when its last first byte came.
-    _first: dict[str, float] = field(default_factory=dict)
-
-    def sent(
-        self, worker: str, key: object, at: float, wait_s: float, prefill_s: float, queued: Load
-    ) -> None:
-        """A request (``key``) sent to ``worker`` at ``at``, predicted to wait ``wait_s``
-        and prefill for ``prefill_s`` its ``queued`` tokens (0 s: no prediction; it is
-        kept in order but never estimated)."""
-        self._pending.setdefault(worker, {})[key] = _Sent(
-            at + max(wait_s, 0.0), prefill_s, queued.queued_tokens, queued.queued_context
-        )
-
-    def first_byte(self, worker: str, key: object, at: float) -> None:
-        """``key``'s first byte came from ``worker`` at ``at``: its prefill is done."""
-        if self._forget(worker, key):
-            self._first[worker] = max(at, self._first.get(worker, at))
-
-    def dropped(self, worker: str, key: object) -> None:
-        """``key`` ended on ``worker`` without a first byte."""
-        self._forget(worker, key)
-
-    def _forget(self, worker: str, key: object) -> bool:
-        pending = self._pending.get(worker)
-        if pending is None or pending.pop(key, None) is None:
-            return False
-        if not pending:
-            del self._pending[worker]
-            self._first.pop(worker, None)
-        return True
-
-    def step(self, worker: str, now: float) -> tuple[float, int, int] | None:
-        """The prefill ``worker`` is computing at ``now``, as a view's step in progress:
-        (when it ends, its tokens, their attention work); None when not known."""
-        pending = self._pending.get(worker)
-        if not pending:
-            return None
-        head = next(iter(pending.values()))
-        start = max(head.start, self._first.get(worker, head.start))
-        ends = start + head.seconds
-        if head.seconds <= 0 or start > now or ends <= now:
-            return None
-        return ends, head.tokens, head.context
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self._pending.values())
-
-
-@dataclass(slots=True)
 class Ticket:
     """One routed request's share of a worker's load; released exactly once."""
 
@@ -290,8 +204,6 @@ class Ticket:
     queued: Load
     #: The prompt's block keys (cached ones included): what the worker holds once prefilled.
     keys: Sequence[int] = ()
-    #: Its key in the tracker's :class:`PrefillProgress`.
-    number: int = 0
     prefilled: bool = False
     ended: bool = False
 
@@ -299,9 +211,7 @@ class Ticket:
         """The worker produced the first token: its prefill is done, its prompt held."""
         if not self.prefilled and not self.ended:
             self.prefilled = True
-            tracker = self.tracker
-            tracker._add(self.worker, 0, unqueue=self.queued, hold=self.keys, running=1)
-            tracker.progress.first_byte(self.worker, self.number, tracker.wall())
+            self.tracker._add(self.worker, 0, unqueue=self.queued, hold=self.keys, running=1)
 
     def end(self) -> None:
         """The request is over (any outcome)."""
@@ -312,7 +222,6 @@ class Ticket:
             self.tracker._add(self.worker, -1, release=self.keys, running=-1)
         else:
             self.tracker._add(self.worker, -1, unqueue=self.queued)
-            self.tracker.progress.dropped(self.worker, self.number)
 
 
 @dataclass(slots=True)
@@ -336,14 +245,11 @@ class LoadTracker:
     wall: Callable[[], float] = time.time
     mono: Callable[[], float] = time.monotonic
     healthy: bool = True
-    #: This replica's estimate of the prefill each worker is computing (its own requests').
-    progress: PrefillProgress = field(default_factory=PrefillProgress)
     _task: asyncio.Task[None] | None = None
-    _tickets: int = 0
 
     def begin(
         self, worker: str, prefill_tokens: int, keys: Sequence[int] = (), prompt_tokens: int = 0,
-        admission: Load | None = None, timing: tuple[float, float] | None = None,
+        admission: Load | None = None,
     ) -> Ticket:  # fmt: skip
         """Count a request routed to ``worker`` that will prefill ``prefill_tokens`` tokens.
 
@@ -351,20 +257,10 @@ class LoadTracker:
         length ``prompt_tokens`` the attention work of the prefill is counted too, and
         ``admission`` (the cached blocks its admission takes from the free pool and
         loads from DRAM and SSD: :func:`admission_load`) until its first byte.
-        ``timing`` is the policy's (wait, prefill) prediction there, in seconds, for
-        :attr:`progress` (None: not predicted).
         """
         queued = queued_share(prefill_tokens, prompt_tokens, admission)
         self._add(worker, 1, queue=queued)
-        self._tickets += 1
-        wait, prefill = timing or (0.0, 0.0)
-        self.progress.sent(worker, self._tickets, self.wall(), wait, prefill, queued)
-        return Ticket(self, worker, queued, keys, self._tickets)
-
-    def step_of(self, worker: str) -> tuple[float, int, int] | None:
-        """The prefill ``worker`` is computing now, by this replica's own requests
-        (:meth:`PrefillProgress.step`; None: not known)."""
-        return self.progress.step(worker, self.wall())
+        return Ticket(self, worker, queued, keys)
 
     def _add(
         self, worker: str, in_flight: int, queue: Load | None = None,

@@ -263,7 +263,7 @@ class Router:
             out = self.core.decide(
                 req, routable, self.load.load, matches,
                 cache_aware=matches is not None or self.index is None, held_of=self.load.held.get,
-                seen_of=self.load.seen_at, step_of=self.load.step_of,
+                seen_of=self.load.seen_at,
             )  # fmt: skip
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), type_="service_unavailable", code="no_worker") from exc

@@ -299,49 +299,6 @@ def test_a_heartbeat_is_dated_by_its_age_not_by_when_discovery_saw_it() -> None:
     assert (load.seen, load.history) == ({}, {})
 
 
-def test_the_router_estimates_the_prefill_a_worker_is_computing_from_its_own_requests() -> None:
-    clock = {"wall": 1_000.0}
-    load = LoadTracker(wall=lambda: clock["wall"], mono=lambda: 0.0)
-
-    def at(t: float) -> None:
-        clock["wall"] = 1_000.0 + t
-
-    # "a" (4,352 tokens, predicted to start at once and prefill for 93 ms), then "b",
-    # predicted to wait for "a" (93 ms) and prefill 12 ms.
-    a = load.begin("w", 4352, prompt_tokens=4352, timing=(0.0, 0.093))
-    at(0.03)
-    b = load.begin("w", 256, prompt_tokens=4352, timing=(0.063, 0.012))
-    at(0.062)
-    step = load.step_of("w")
-    assert step is not None
-    ends, tokens, context = step
-    assert ends == pytest.approx(1_000.093)
-    assert (tokens, context) == (4352, 4352 * 4352 // 2)
-    # Late: its predicted end passed with no first byte; how late is not known.
-    at(0.1)
-    assert load.step_of("w") is None
-    # Its first byte came at 0.11: "b" runs from then, not from its predicted start.
-    at(0.11)
-    a.first_byte()
-    at(0.115)
-    step = load.step_of("w")
-    assert step is not None
-    assert step[0] == pytest.approx(1_000.122)
-    assert step[1] == 256
-    # A request whose predicted wait is not over yet has not started.
-    assert load.step_of("v") is None
-    c = load.begin("v", 100, timing=(0.5, 0.01))
-    assert load.step_of("v") is None
-    # No prediction (a policy without prefill times): kept in order, never estimated.
-    d = load.begin("u", 100)
-    assert load.step_of("u") is None
-    for t in (b, c, d):
-        t.end()
-    a.end()
-    assert len(load.progress) == 0
-    assert load.step_of("w") is None
-
-
 async def test_a_wiped_registry_keeps_known_workers_for_a_grace_period(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     ks = Keyspace()

@@ -483,9 +483,10 @@ def test_slo_admission_refuses_what_cannot_start_in_time() -> None:
         # profile's ~0.06 s, slowed by its time scale of 20): under the bound, served.
         solo = {"model": MODEL, "prompt": prompt(0, 3000), "max_tokens": 1}
         assert httpx.post(f"{gw}/v1/completions", json=solo, timeout=60).status_code == 200
-        # Half a second into another one's ~1.3 s prefill it is not: the router counts the
-        # ~0.8 s left of that prefill (its own estimate of the prefill in progress) and its
-        # own ~1.3 s. (A second later it would answer ~1.6 s after it came: at the bound.)
+        # Half a second into another one's ~1.3 s prefill it is not: it would answer ~2.1 s
+        # after it came (the ~0.8 s left of that prefill, where a heartbeat names the step
+        # in progress, else the whole of it, and its own ~1.3 s). A second in it would
+        # answer ~1.6 s after it came, at the bound, and a fresh heartbeat admits it.
         flood = [{"model": MODEL, "prompt": prompt(1, 3000), "max_tokens": 1, "stream": True}]
         body = {"model": MODEL, "prompt": prompt(2, 3000), "max_tokens": 1}
 

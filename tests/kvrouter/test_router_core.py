@@ -234,39 +234,6 @@ def test_the_overlay_drops_what_ended_since_the_heartbeat_and_keeps_what_it_did_
     assert queue == pytest.approx(PROFILE.decode_seconds(1, 2048) / 2)
 
 
-def test_a_router_waits_out_the_rest_of_the_prefill_it_sent_where_the_heartbeat_is_stale() -> None:
-    # "holder" got a group's first request (4,352 tokens, a 93 ms prefill) from this
-    # router 62 ms ago; its heartbeat is older (taken idle). The group's next request
-    # shares the 4K-token prompt. "idle" holds nothing.
-    prompt = tokens(4_352, seed=33)
-    first = 4_352
-    clock = {"wall": 100.0}
-    load = LoadTracker(wall=lambda: clock["wall"], mono=lambda: 0.0)
-    ticket = load.begin("holder", first, prompt_tokens=first, timing=(0.0, 0.093))
-    clock["wall"] = 100.062
-    views = [view("holder", ts=99.5), view("idle", ts=99.5)]
-    matches = {"holder": match("holder", hbm=4096 // BLOCK)}
-    now = request(prompt, now=clock["wall"])
-
-    laid = overlay(views, load.load, None, load.step_of, now.now)[0]
-    assert laid.queued_prefill_tokens == first
-    assert laid.step_ends_ts == pytest.approx(100.093)
-    assert laid.step_prefill_tokens == first
-    # A heartbeat whose own step is still in progress is the worker's word: kept.
-    fresh = replace(views[0], step_ends_ts=100.08, step_prefill_tokens=first)
-    assert overlay([fresh], load.load, None, load.step_of, now.now)[0].step_ends_ts == 100.08
-
-    # Without the estimate the whole 93 ms step is counted and the prompt is recomputed
-    # on "idle"; with it, the request waits the 31 ms left on "holder".
-    blind = RouterCore(KvTtftPolicy()).decide(now, views, load.load, matches)
-    assert blind.worker == "idle"
-    core = RouterCore(KvTtftPolicy())
-    seen = core.decide(now, views, load.load, matches, step_of=load.step_of)
-    assert seen.worker == "holder"
-    assert seen.decision.scores["holder"]["queue_s"] == pytest.approx(0.031)
-    ticket.end()
-
-
 def test_the_overlay_carries_the_attention_work_of_the_prompts_routed_since_the_heartbeat() -> None:
     # Both heartbeats are empty. Since then the router queued one 60K-token prompt on
     # "long" and thirty 2K-token prompts on "short": the same tokens, but the long one
