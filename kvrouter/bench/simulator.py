@@ -458,7 +458,7 @@ class _Cluster:
             async_loads=self.config.async_loads,
             role=w.role,
             profile=w.profile,
-            step_ends_ts=w.step_ends if w.step is not None else 0.0,
+            step_ends_ts=w.step_ends,
             ts=now,
         )
 
