@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine_worker.profiles import load_profile
 from indexer.audit import AuditReport, audit
 from indexer.index import RedisIndex
 from indexer.wire import Keyspace
+from kvrouter import embedded_redis
 from kvrouter.bench.live import cluster_views
 from kvrouter.cli import app
 from kvrouter.embedded_redis import free_port
@@ -335,6 +337,9 @@ def test_free_port_never_hands_out_a_port_it_handed_out_lately(
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(socket, "socket", Kernel)
+    # This process's memory starts empty here: a real 40001 or 40002 handed out by an
+    # earlier test would otherwise be skipped too, and the script run out.
+    monkeypatch.setattr(embedded_redis, "_HANDED", deque(maxlen=256))
     assert [free_port(), free_port()] == [40001, 40002]
     monkeypatch.undo()
     # Real ports: many in a row, all distinct and each still free to bind.
