@@ -214,6 +214,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def cached_block(self, key: int) -> Block | None:
+        """The block holding ``key`` on any medium, or None."""
+        return self._cached.get(key)
+
     def in_use(self, key: int) -> bool:
         """Whether ``key``'s block sits in HBM referenced by a request (or pinned): a
         request matching it shares it instead of taking it out of the free queue."""

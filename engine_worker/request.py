@@ -156,9 +156,9 @@ class Request:
     num_preemptions: int = 0
     #: Prompt tokens the pool held when the request was queued (the load estimate's discount).
     expected_cached_tokens: int = 0
-    #: Of those, the blocks admission takes from the free HBM pool (on DRAM/SSD, or in
-    #: HBM with no reference), as matched on arrival.
-    expected_taken_blocks: int = 0
+    #: Of those, in blocks: the prefix matched on arrival. Admission takes the part no
+    #: running request holds then out of the free HBM pool (``Scheduler.load``).
+    expected_hit_blocks: int = 0
     #: Of those, the blocks on DRAM and SSD (brought up into HBM on admission, which the
     #: admitting step pays for), as matched on arrival.
     expected_load_blocks: dict[Medium, int] = field(default_factory=dict)

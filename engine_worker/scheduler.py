@@ -26,9 +26,11 @@ that the step produces logits for the first output token.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -165,8 +167,8 @@ class SchedulerLoad:
             request, ``new * (cached + new / 2)``, the context its new tokens attend to
             summed (a long prompt's later chunks attend to everything before them).
         queued_taken_blocks: HBM blocks the waiting requests' cached prefixes take on
-            admission besides those they compute (on DRAM/SSD, or free in HBM), as
-            matched when each arrived.
+            admission besides those they compute: of the prefix each matched when it
+            arrived, what no running request holds now (on DRAM/SSD, or free in HBM).
         queued_load_blocks: Cached blocks per medium (DRAM, SSD) that the waiting requests
             bring up into HBM on admission, as matched when each arrived, plus those the
             step in flight is bringing up: the step that admits a request pays its load,
@@ -178,6 +180,12 @@ class SchedulerLoad:
         step_prefill_tokens: Of ``queued_prefill_tokens``, those the step planned and not
             yet folded in computes (its prefill chunks): they are done when it ends.
         step_prefill_context: Their share of ``queued_prefill_context``.
+        kv_release: Per running request, in running order: the running prefill tokens
+            computed before its prompt is done (0: decoding), the output tokens it is
+            expected to generate still (the mean residual of recent requests' outputs,
+            :class:`OutputLengths`, within its ``max_tokens``), and the HBM blocks it
+            frees for others when it finishes (those no other running request shares
+            and no waiting request waits to reuse).
     """
 
     running: int = 0
@@ -191,6 +199,7 @@ class SchedulerLoad:
     mean_output_tokens: float = 0.0
     step_prefill_tokens: int = 0
     step_prefill_context: int = 0
+    kv_release: list[tuple[int, int, int]] = field(default_factory=list)
 
     def view_fields(self, queued_extra_tokens: int = 0) -> LoadViewFields:
         """The :class:`~indexer.views.WorkerView` load fields (one mapping for a worker's
@@ -208,6 +217,7 @@ class SchedulerLoad:
             mean_output_tokens=self.mean_output_tokens,
             step_prefill_tokens=self.step_prefill_tokens,
             step_prefill_context=self.step_prefill_context,
+            kv_release=self.kv_release,
         )
 
 
@@ -225,6 +235,7 @@ class LoadViewFields(TypedDict):
     mean_output_tokens: float
     step_prefill_tokens: int
     step_prefill_context: int
+    kv_release: list[tuple[int, int, int]]
 
 
 #: Weight of the newest finished request in :attr:`SchedulerLoad.mean_output_tokens`.
@@ -250,6 +261,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._mean_output = 0.0
+        self._outputs = OutputLengths()
         #: Blocks the step planned and not yet folded in brings up from each lower medium.
         self._loading: dict[Medium, int] = {}
         #: The prefill tokens (and their attention work) of the step planned and not yet
@@ -281,15 +293,11 @@ class Scheduler:
             matched = self.pool.match_prefix(request.ensure_keys(request.num_tokens))
             hit = len(matched)
             request.expected_cached_tokens = min(hit * self.block_size, request.num_tokens - 1)
-            taken = 0
             lower: dict[Medium, int] = {}
             for b in matched:
                 if b.medium is not Medium.HBM:
-                    taken += 1
                     lower[b.medium] = lower.get(b.medium, 0) + 1
-                elif b.ref_cnt == 0:
-                    taken += 1
-            request.expected_taken_blocks = taken
+            request.expected_hit_blocks = hit
             request.expected_load_blocks = lower
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -345,12 +353,19 @@ class Scheduler:
         """The load summary a heartbeat publishes; O(running + waiting)."""
         queued = context = taken = 0
         loads = dict(self._loading)
+        wanted: list[tuple[int, Block]] = []
         for r in self.waiting:
             cached = max(r.num_computed_tokens, r.expected_cached_tokens)
             new = r.num_tokens - cached
             queued += new
             context += new * cached + new * new // 2
-            taken += r.expected_taken_blocks
+            held = self._held_prefix(r.keys, r.expected_hit_blocks)
+            taken += r.expected_hit_blocks - held
+            deepest = self.pool.cached_block(r.keys[held - 1]) if held else None
+            if deepest is not None and deepest.ref_cnt == 1:
+                # One running request alone holds what it waits to reuse: that one's
+                # finishing frees none of it for anybody else.
+                wanted.append((held, deepest))
             for medium, n in r.expected_load_blocks.items():
                 loads[medium] = loads.get(medium, 0) + n
         for r in self.loading.values():
@@ -360,12 +375,26 @@ class Scheduler:
             for medium, n in r.expected_load_blocks.items():
                 loads[medium] = loads.get(medium, 0) + n
         running_kv = 0
+        release: list[tuple[int, int, int]] = []
+        ahead = 0
         for r in self.running:
             running_kv += r.num_tokens
             new = r.num_tokens - r.num_computed_tokens
             if new > 1:
                 queued += new
+                ahead += new
                 context += new * r.num_computed_tokens + new * new // 2
+            generated = len(r.output_token_ids)
+            left = max(r.sampling.max_tokens - generated, 1)
+            if (expected := self._outputs.residual(generated)) is not None:
+                left = min(left, max(round(expected), 1))
+            table = r.block_table
+            kept = self._shared_prefix(table)
+            for held, block in wanted:
+                if kept < held <= len(table) and table[held - 1] is block:
+                    kept = held
+            blocks = -(-(r.num_tokens + left) // self.block_size) - kept
+            release.append((ahead if new > 1 else 0, left, blocks))
         return SchedulerLoad(
             running=len(self.running),
             waiting=len(self.waiting) + len(self.loading),
@@ -378,7 +407,40 @@ class Scheduler:
             mean_output_tokens=self._mean_output,
             step_prefill_tokens=self._stepping[0],
             step_prefill_context=self._stepping[1],
+            kv_release=release,
         )
+
+    @staticmethod
+    def _shared_prefix(table: Sequence[Block]) -> int:
+        """How many of a running request's blocks another request holds too (a prefix:
+        keys are chained), which its finishing does not free."""
+        lo, hi = 0, len(table)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if table[mid - 1].ref_cnt > 1:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _held_prefix(self, keys: Sequence[int], hit: int) -> int:
+        """How many of the first ``hit`` of ``keys`` running requests hold now.
+
+        Admitting a waiting request takes the rest of its matched prefix out of the free
+        HBM pool (cached free blocks, and those it brings up from DRAM or SSD). That
+        changes while it waits: an agent's next step queued while its previous step
+        still decodes finds its history held on arrival, and taken once that step ends.
+        A request holding a block holds every block before it (keys are chained), so
+        the held blocks are a prefix: a bisection, a few lookups per waiting request.
+        """
+        lo, hi = 0, min(hit, len(keys))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.pool.in_use(keys[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def has_work(self) -> bool:
         """Whether any request is waiting, loading or running."""
@@ -583,10 +645,46 @@ class Scheduler:
             n = len(req.output_token_ids)
             mean = self._mean_output
             self._mean_output = n if mean == 0.0 else mean + _OUTPUT_EWMA * (n - mean)
+            self._outputs.add(n)
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
+
+
+class OutputLengths:
+    """The output lengths of the last ``size`` finished requests, and what they say of a
+    running request's tokens still to come.
+
+    A request that has generated ``g`` tokens is expected to generate the mean of
+    ``L - g`` over the recent lengths ``L > g`` (its mean residual length): a request
+    just started, the mean output; one past most of them, what the longer ones went on
+    for. A single mean would call a request past it about to finish.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self._recent: deque[int] = deque(maxlen=size)
+        self._sorted: list[int] = []
+        self._suffix: list[int] = []
+
+    def add(self, n: int) -> None:
+        """Record one finished request's output length."""
+        self._recent.append(n)
+        self._sorted = []
+
+    def residual(self, generated: int) -> float | None:
+        """Expected tokens still to come after ``generated`` (None: no finished request
+        generated more)."""
+        if not self._recent:
+            return None
+        if not self._sorted:
+            self._sorted = sorted(self._recent)
+            self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
+        i = bisect.bisect_right(self._sorted, generated)
+        longer = len(self._sorted) - i
+        if longer == 0:
+            return None
+        return self._suffix[i] / longer - generated
 
 
 @dataclass(slots=True)

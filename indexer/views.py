@@ -85,6 +85,13 @@ class WorkerView(msgspec.Struct, kw_only=True):
         step_prefill_tokens: Of ``queued_prefill_tokens``, those the step in progress
             computes (its prefill chunks): done when it ends, not a step later.
         step_prefill_context: Their share of ``queued_prefill_context``.
+        kv_release: When each running request should finish, and the HBM blocks that
+            frees for others, one ``(prefill, output, blocks)`` per running request:
+            ``prefill`` tokens of the running requests' prompts computed before its own
+            prompt is done (0: decoding), ``output`` tokens it is still expected to
+            generate (one step each), and ``blocks`` it holds then that no other
+            running request shares and no queued request waits to reuse. A request
+            queued behind a full HBM waits for these (empty: not published).
         ts: When the view was taken (seconds, the publisher's clock).
     """
 
@@ -115,6 +122,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     step_ends_ts: float = 0.0
     step_prefill_tokens: int = 0
     step_prefill_context: int = 0
+    kv_release: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
     ts: float = 0.0
 
     def kv_usage(self, medium: Medium = Medium.HBM) -> float:

@@ -7,7 +7,13 @@ import pytest
 from engine_worker.block_pool import BlockPool, TierCapacity
 from engine_worker.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine_worker.runners.sim import SimRunner
-from engine_worker.scheduler import RequestTooLargeError, Scheduler, SchedulerConfig
+from engine_worker.scheduler import (
+    OutputLengths,
+    RequestTooLargeError,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerPlan,
+)
 from indexer.keys import block_keys, root_parent
 from indexer.media import Medium
 from indexer.profile import TimingProfile
@@ -493,3 +499,71 @@ def test_mean_output_tracks_finished_requests_and_ignores_aborts() -> None:
     s.update(plan, r.execute(plan).sampled)
     s.abort("gone")
     assert s.load().mean_output_tokens == pytest.approx(mean)
+
+
+def test_queued_taken_blocks_counts_a_prefix_its_holder_released_while_it_waited() -> None:
+    # An agent's next step queues while its previous step still decodes: its history is
+    # held then (shared, nothing taken), and taken out of the free queue once that step
+    # ends; HBM room a request queued behind it cannot have.
+    s, r, _ = make(max_num_seqs=1)
+    history = list(range(32))  # 8 blocks
+    s.add(req("step1", history, max_tokens=2))
+    s.update(s.schedule(), {"step1": 1})
+    s.add(req("step2", [*history, 9, 9, 9], max_tokens=1))
+    assert s.load().queued_taken_blocks == 0
+    s.update(s.schedule(), {"step1": 1})  # step1 finishes; step2 has not been admitted
+    assert [q.request_id for q in s.waiting] == ["step2"]
+    assert s.load().queued_taken_blocks == len(history) // B
+    run_to_end(s, r)
+    assert s.load().queued_taken_blocks == 0
+
+
+def test_output_lengths_expect_the_mean_residual_of_recent_finished_requests() -> None:
+    lengths = OutputLengths(size=4)
+    assert lengths.residual(0) is None  # nothing finished yet
+    for n in (10, 20, 30, 40):
+        lengths.add(n)
+    assert lengths.residual(0) == 25.0
+    # Past the shorter ones, a request is expected to go on as the longer ones did.
+    assert lengths.residual(15) == 15.0
+    assert lengths.residual(39) == 1.0
+    assert lengths.residual(40) is None
+    lengths.add(100)  # the oldest (10) leaves the window
+    assert lengths.residual(0) == 47.5
+
+
+def test_load_says_when_running_requests_should_finish_and_what_each_frees() -> None:
+    s, r, _ = make(hbm=64, budget=16, max_model_len=128, max_num_seqs=2)
+    shared = list(range(16))  # 4 blocks both prompts hold
+    s.add(req("a", [*shared, 1, 2, 3, 4, 5], max_tokens=5))
+    s.add(req("b", [*shared, *range(100, 124)], max_tokens=3))
+    s.update(*_step(s, r))  # a's first 16 tokens
+    s.update(*_step(s, r))  # a's last 5; b admitted on its 4 cached blocks, 11 computed
+    s.add(req("c", [*shared, 1, 2, 3, 4, 7, 7], max_tokens=1))  # waits (max_num_seqs=2)
+    a, b = s.running
+    assert (a.request_id, len(a.output_token_ids), b.num_computed_tokens) == ("a", 1, 27)
+    # Nothing finished yet, so each is expected to run to its max_tokens. "a" decodes
+    # (no prefill ahead of it) and holds 7 blocks at its end (22 tokens + 4 to come):
+    # the 4 shared ones stay held by "b", and "c" waits to reuse the fifth, which only
+    # "a" holds: a frees 2. "b" finishes after its last 13 prompt tokens and 3 outputs,
+    # and frees all but the 4 shared blocks.
+    assert s.load().kv_release == [(0, 4, 7 - 5), (13, 3, -(-(40 + 3) // B) - 4)]
+    run_to_end(s, r)
+    assert s.load().kv_release == []
+
+
+def test_kv_release_expects_the_output_recent_requests_generated() -> None:
+    s, r, _ = make(hbm=64, budget=16, max_model_len=128)
+    for i, n in enumerate((2, 3, 4, 6)):
+        s.add(req(f"done{i}", [50 + i] * 6, max_tokens=n))
+    run_to_end(s, r)
+    s.add(req("x", [1, 2, 3], max_tokens=20))
+    s.update(*_step(s, r))
+    # One token out; the finished ones went on for 1, 2, 3 and 5 tokens more: 2.75, not
+    # the 19 its max_tokens allows. At its end it holds 4 + 3 tokens: 2 blocks.
+    assert s.load().kv_release == [(0, 3, 2)]
+
+
+def _step(s: Scheduler, r: SimRunner) -> tuple[SchedulerPlan, dict[str, int]]:
+    plan = s.schedule()
+    return plan, r.execute(plan).sampled

@@ -203,7 +203,9 @@ def test_heartbeat_says_when_the_step_in_progress_ends_and_what_it_prefills(
                 def mid_prefill() -> bool:
                     v = decode_view(client.get(KS.heartbeat(name)))  # type: ignore[arg-type]
                     views.append(v)
-                    return v.step_prefill_tokens > 0
+                    # Past its first step: the request is running (not queued) in the
+                    # state the heartbeat publishes.
+                    return v.step_prefill_tokens > 0 and bool(v.kv_release)
 
                 eventually(mid_prefill)
                 v = views[-1]
@@ -212,10 +214,17 @@ def test_heartbeat_says_when_the_step_in_progress_ends_and_what_it_prefills(
                 assert v.step_prefill_context >= 128 * 128 // 2
                 # Ends after the heartbeat was taken, within one modeled chunk of it.
                 assert v.ts < v.step_ends_ts < v.ts + 2.0
+                # The one running request finishes after the prefill still queued and its
+                # one token, and frees all it holds then (nobody shares it): at least the
+                # blocks of the tokens still to compute.
+                ((ahead, left, freed),) = v.kv_release
+                assert (ahead, left) == (v.queued_prefill_tokens, 1)
+                assert freed >= -(-(ahead + left) // v.block_size)
                 done.result(timeout=60)
             eventually(
                 lambda: decode_view(client.get(KS.heartbeat(name))).step_ends_ts == 0.0  # type: ignore[arg-type]
             )
+            assert decode_view(client.get(KS.heartbeat(name))).kv_release == []  # type: ignore[arg-type]
         finally:
             client.close()
 

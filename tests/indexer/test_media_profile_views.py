@@ -142,6 +142,7 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
         kv_capacity_blocks={Medium.HBM: 1000},
         transfer_bandwidth=2.5e9,
         async_loads=True,
+        kv_release=[(0, 40, 120), (2_048, 200, 300)],
     )
     assert decode_view(encode_view(v)) == v
     # A heartbeat from a worker that predates these fields: they read as "not published".
@@ -153,3 +154,4 @@ def test_worker_view_memory_fields_survive_the_heartbeat_and_old_payloads_still_
     assert back.transfer_bandwidth == 0.0
     assert back.queued_taken_blocks == 0
     assert back.async_loads is False  # its loads stall the step that admits them
+    assert back.kv_release == []
