@@ -198,6 +198,7 @@ def memory_wait_seconds(
     block_size: int,
     mean_output_tokens: float,
     loaded_blocks: int = 0,
+    now: float | None = None,
 ) -> float:
     """Time a new request with ``new_tokens`` to prefill loses to the worker's full HBM.
 
@@ -210,9 +211,12 @@ def memory_wait_seconds(
     SSD, or cached free HBM blocks it removes from the free queue), which need HBM
     room just the same. When that exceeds HBM the new request, the newest, computes what fits, is
     preempted, waits until enough running requests finish, and starts over: the wait is
-    ``k`` completions, running requests finishing one every ``mean output x decode step
-    / running`` seconds and freeing ``held / running`` blocks each, plus the wasted
-    partial prefill. Returns 0.0 when the view does not publish its active blocks.
+    ``k`` completions plus the wasted partial prefill. Where the view says when its
+    running requests should finish and what each frees (``kv_release``), the
+    completions are theirs (:func:`release_seconds`, counted from ``now`` when given);
+    otherwise running requests finish one every ``mean output x decode step / running``
+    seconds, freeing ``held / running`` blocks each. Returns 0.0 when the view does not
+    publish its active blocks.
     """
     free = hbm_room_blocks(view, block_size, mean_output_tokens)
     if free is None:
@@ -220,6 +224,13 @@ def memory_wait_seconds(
     excess = -(-new_tokens // block_size) + loaded_blocks - free
     if excess <= 0:
         return 0.0
+    wasted = profile.prefill_seconds(min(new_tokens, max(int(free), 0) * block_size))
+    floor = 0.0
+    if view.kv_release:
+        elapsed = max(now - view.ts, 0.0) if now is not None and view.ts > 0 else 0.0
+        floor, freed = release_seconds(view, profile, excess, elapsed)
+        if freed >= excess:
+            return floor + wasted
     capacity = view.kv_capacity_blocks.get(Medium.HBM, 0)
     active = view.kv_active_blocks
     queued = -(-view.queued_prefill_tokens // block_size)
@@ -230,8 +241,42 @@ def memory_wait_seconds(
     held = max(active, min(capacity, active + queued), 1)
     turnover = mean_output_tokens * profile.decode_seconds(running, view.running_kv_tokens)
     completions = math.ceil(excess * running / held)
-    wasted = profile.prefill_seconds(min(new_tokens, max(int(free), 0) * block_size))
-    return completions * turnover / running + wasted
+    # Beyond what the running requests free, the queued ones must run and finish too.
+    return max(completions * turnover / running, floor) + wasted
+
+
+def release_seconds(
+    view: WorkerView, profile: TimingProfile, blocks: float, elapsed: float = 0.0
+) -> tuple[float, int]:
+    """How long after ``elapsed`` seconds past the view the running requests of ``view``
+    have freed ``blocks`` HBM blocks, by its ``kv_release``, and the blocks freed by then.
+
+    Each finishes after the prefill chunks up to the end of its own prompt and its
+    expected output tokens, one step each; the steps carry the running prefill's chunks
+    first, then only decode. When they free fewer than ``blocks`` in all: when the last
+    finishes, and what they free.
+    """
+    batch, kv = view.running, view.running_kv_tokens
+    chunk = _chunk(profile, batch)
+    prefill = max(ahead for ahead, _, _ in view.kv_release)
+    prefill_steps = -(-prefill // chunk)
+    per_prefill_step = 0.0
+    if prefill_steps:
+        per_prefill_step = queue_seconds(profile, prefill, batch, kv) / prefill_steps
+    per_decode_step = profile.decode_seconds(batch, kv)
+    finishing = []
+    for ahead, left, freed in view.kv_release:
+        steps = -(-ahead // chunk) + left
+        seconds = min(steps, prefill_steps) * per_prefill_step
+        seconds += max(steps - prefill_steps, 0) * per_decode_step
+        finishing.append((seconds, freed))
+    finishing.sort()
+    total, when = 0, 0.0
+    for seconds, freed in finishing:
+        total, when = total + freed, seconds
+        if total >= blocks:
+            break
+    return max(when - elapsed, 0.0), total
 
 
 def step_residual_seconds(

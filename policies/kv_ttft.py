@@ -418,7 +418,9 @@ class KvTtftPolicy:
             taken = 0
             if match is not None:
                 taken = min(lower + (match.idle_hbm or 0), matched)
-            memory = memory_wait_seconds(view, profile, new, request.block_size, output, taken)
+            memory = memory_wait_seconds(
+                view, profile, new, request.block_size, output, taken, now=now
+            )
             wait = max(queue, memory)
             load = load_seconds(view, profile, match, request.block_size)
             if load > 0 and view.async_loads:

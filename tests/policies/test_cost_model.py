@@ -241,3 +241,37 @@ def test_the_step_in_progress_is_known_only_until_the_view_says_it_ends() -> Non
     assert step_in_progress(mid, 10.5) is None
     # Not published (an older worker, a vLLM engine) or no step running.
     assert step_in_progress(view("w", queued=4352), 9.97) is None
+
+
+def test_a_full_hbm_waits_for_the_releases_the_worker_names() -> None:
+    # The agent replay (seed 1 at 0.7 of capacity, t = 4.04 s): 4 running requests hold
+    # 5,472 of 6,144 blocks, and the queue ahead of a 10K-token prompt (8,435 tokens to
+    # compute) takes 1,189 cached blocks and its 11,787 tokens' on admission. Three
+    # requests decode their last outputs, but the queued next steps of their agents
+    # take their histories back: they free 5 blocks each. Only the fourth, which still
+    # prefills 10,397 tokens and has 95 outputs to go, frees enough (1,790): the wait
+    # was 1.32 s. Finishing one every mean-output / running steps, as a view without
+    # the releases is priced, the wait looked a quarter of that, and the prompt went
+    # behind it.
+    kv = 95_879
+    base = view("w", running=4, waiting=4, in_flight=8, queued=11_787, active=5_472,
+                running_kv=kv, hbm_capacity=6_144, mean_output=36.0, ts=4.04)  # fmt: skip
+    base = replace(base, queued_taken_blocks=1_189)
+    full = replace(base, kv_release=[(0, 22, 5), (0, 25, 4), (0, 28, 5), (10_397, 95, 1_790)])
+    prompt = 8_435
+    blind = memory_wait_seconds(base, PROFILE, prompt, BLOCK, 36.0)
+    wait = memory_wait_seconds(full, PROFILE, prompt, BLOCK, 36.0)
+    # The fourth finishes after the running prefill and then its 95 outputs, one step
+    # each, beside the three decoding.
+    prefill = queue_seconds(PROFILE, 10_397, 4, kv)
+    # (the queue ahead leaves no room: nothing is computed and wasted before it).
+    assert wait == pytest.approx(prefill + 95 * PROFILE.decode_seconds(4, kv))
+    assert wait > 2.5 * blind
+    # Counted from the heartbeat: half a second later, half a second less to wait.
+    later = memory_wait_seconds(full, PROFILE, prompt, BLOCK, 36.0, now=4.54)
+    assert later == pytest.approx(wait - 0.5)
+    # Releases that never make room: the queued requests must run and finish too, and
+    # the wait is no shorter than the last release.
+    short = replace(full, kv_release=[(0, 3, 5)])
+    last = 3 * PROFILE.decode_seconds(4, kv)
+    assert memory_wait_seconds(short, PROFILE, prompt, BLOCK, 36.0) >= last

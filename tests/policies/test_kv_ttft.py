@@ -1066,3 +1066,26 @@ def test_a_prompt_no_workers_hbm_can_hold_is_still_routed() -> None:
     decision = KvTtftPolicy().choose(request(prompt, max_tokens=10**12), workers, {})
     assert decision.worker == "small"
     assert math.isfinite(decision.predicted_ttft_s or math.inf)
+
+
+def test_a_short_queue_behind_a_full_hbm_waits_for_the_request_that_frees_it() -> None:
+    # The agent replay (seed 1 at 0.7 of capacity, t = 4.04 s): an 8K-token step went to
+    # "short" for its 11.8K-token queue and waited 1.32 s there, HBM full until the one
+    # running request that could free room finished its prefill and 95 outputs (the
+    # others' histories go back to their agents' queued next steps). "longer" has more
+    # to prefill, and room.
+    kv = 95_879
+    short = view("short", running=4, waiting=4, in_flight=8, queued=11_787, active=5_472,
+                 running_kv=kv, hbm_capacity=6_144, mean_output=36.0)  # fmt: skip
+    short = replace(short, queued_taken_blocks=1_189)
+    longer = view("longer", running=4, waiting=2, in_flight=6, queued=18_054, active=3_000,
+                  running_kv=kv, hbm_capacity=6_144, mean_output=36.0)  # fmt: skip
+    prompt = tokens(8_435, seed=31)
+    blind = KvTtftPolicy().choose(request(prompt), [short, longer], {})
+    releases = [(0, 22, 5), (0, 25, 4), (0, 28, 5), (10_397, 95, 1_790)]
+    published = replace(short, kv_release=releases)
+    seen = KvTtftPolicy().choose(request(prompt), [published, longer], {})
+    assert blind.worker == "short"
+    assert seen.worker == "longer"
+    assert seen.scores["short"]["memory_wait_s"] > 1.3
+    assert seen.scores["longer"]["memory_wait_s"] == 0.0
