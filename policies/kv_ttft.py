@@ -30,7 +30,10 @@ Our default policy (DESIGN.md, "Policy"). For each candidate worker ``w``::
   beside what running and queued requests hold and will grow into
   (``memory_wait_seconds``): a vLLM-style scheduler admits it, preempts it when
   a later chunk finds HBM full, and starts it over once enough running
-  requests finished. The wait overlaps the queue, hence the ``max``;
+  requests finished: when the view names them (``kv_release``), once the
+  ones whose blocks nobody queued takes back have finished their prefill and
+  expected outputs (an agent's step whose history its next step, queued,
+  reuses frees nothing). The wait overlaps the queue, hence the ``max``;
 * ``load``: moving the matched blocks that sit on DRAM or SSD into HBM, at the
   worker's measured bandwidth per medium, else its profile's. vLLM's CPU
   offloading loads a request's blocks before computing it, so the load adds
