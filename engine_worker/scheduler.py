@@ -36,6 +36,7 @@ from typing import TypedDict
 
 from engine_worker.block_pool import Block, BlockPool
 from engine_worker.request import FinishReason, Request, RequestStatus
+from indexer.keys import chained_prefix
 from indexer.media import Medium
 
 __all__ = [
@@ -389,7 +390,7 @@ class Scheduler:
             if (expected := self._outputs.residual(generated)) is not None:
                 left = min(left, max(round(expected), 1))
             table = r.block_table
-            kept = self._shared_prefix(table)
+            kept = _shared_blocks(table)
             for held, block in wanted:
                 if kept < held <= len(table) and table[held - 1] is block:
                     kept = held
@@ -410,19 +411,6 @@ class Scheduler:
             kv_release=release,
         )
 
-    @staticmethod
-    def _shared_prefix(table: Sequence[Block]) -> int:
-        """How many of a running request's blocks another request holds too (a prefix:
-        keys are chained), which its finishing does not free."""
-        lo, hi = 0, len(table)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if table[mid - 1].ref_cnt > 1:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
     def _held_prefix(self, keys: Sequence[int], hit: int) -> int:
         """How many of the first ``hit`` of ``keys`` running requests hold now.
 
@@ -430,17 +418,8 @@ class Scheduler:
         HBM pool (cached free blocks, and those it brings up from DRAM or SSD). That
         changes while it waits: an agent's next step queued while its previous step
         still decodes finds its history held on arrival, and taken once that step ends.
-        A request holding a block holds every block before it (keys are chained), so
-        the held blocks are a prefix: a bisection, a few lookups per waiting request.
         """
-        lo, hi = 0, min(hit, len(keys))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.pool.in_use(keys[mid - 1]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return chained_prefix(min(hit, len(keys)), lambda i: self.pool.in_use(keys[i]))
 
     def has_work(self) -> bool:
         """Whether any request is waiting, loading or running."""
@@ -650,6 +629,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
+
+
+def _shared_blocks(table: Sequence[Block]) -> int:
+    """How many of a running request's blocks another request holds too (a prefix: keys
+    are chained), which its finishing does not free."""
+    return chained_prefix(len(table), lambda i: table[i].ref_cnt > 1)
 
 
 class OutputLengths:

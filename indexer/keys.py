@@ -22,11 +22,18 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
-__all__ = ["BlockKeyError", "block_keys", "hash_block", "num_full_blocks", "root_parent"]
+__all__ = [
+    "BlockKeyError",
+    "block_keys",
+    "chained_prefix",
+    "hash_block",
+    "num_full_blocks",
+    "root_parent",
+]
 
 _U32_MAX = 0xFFFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -99,3 +106,22 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int) -> list[i
         parent = digest(parent.to_bytes(8, "little") + data[i * stride : (i + 1) * stride], seed=0)
         keys.append(parent)
     return keys
+
+
+def chained_prefix(n: int, holds: Callable[[int], bool]) -> int:
+    """How many of blocks ``0..n-1`` of a key chain have a property that, held by a
+    block, every block before it has too (``holds(i)`` for block ``i``).
+
+    Keys name whole prefixes, so much of what is true of a block is true of its
+    ancestors: a request holding block ``i`` holds blocks ``0..i``, a chain recorded
+    whole is recorded up to every key. Such a property holds on a prefix of the chain,
+    and a binary search finds its end in ``log2(n)`` calls.
+    """
+    lo, hi = 0, max(n, 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
+from indexer.keys import chained_prefix
 from indexer.media import Medium
 from indexer.views import PrefixMatch, Role, WorkerView
 from kvrouter.gateway.affinity import SessionAffinity
@@ -147,14 +148,7 @@ def annotate_idle(
 
 def _held_prefix(keys: Sequence[int], n: int, held: Container[int]) -> int:
     """How many of the first ``n`` keys ``held`` holds, as a prefix."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if keys[mid] in held:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return chained_prefix(n, lambda i: keys[i] in held)
 
 
 def candidates(views: Sequence[WorkerView]) -> list[WorkerView]:

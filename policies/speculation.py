@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from indexer.keys import chained_prefix
 from indexer.media import Medium
 from indexer.views import PrefixMatch, WorkerView
 
@@ -146,14 +147,7 @@ class Speculation:
         held = self._keys.get(host)
         if not held:
             return 0
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in held:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return chained_prefix(len(keys), lambda i: keys[i] in held)
 
     def merge(
         self, host: str, keys: Sequence[int], match: PrefixMatch | None
